@@ -1,0 +1,59 @@
+// Activations<T>: every buffer one forward step of up to max_tokens tokens writes, allocated at
+// construction so that decode allocates nothing. One per thread of decoding; the Model is shared.
+#pragma once
+
+#include <cstddef>
+
+#include "kvdecode/aligned_buffer.hpp"
+#include "kvdecode/attention.hpp"
+#include "kvdecode/model_config.hpp"
+#include "kvdecode/work_counters.hpp"
+
+namespace kvdecode {
+
+template <class T>
+struct Activations {
+  Activations() = default;
+  /// Scratch for chunks of up to max_tokens tokens (prefill splits longer prompts into chunks);
+  /// store_scratch is the store's block_scratch_size() (0 for ContiguousStore).
+  explicit Activations(const ModelConfig& cfg, std::size_t max_chunk = 1,
+                       std::size_t store_scratch = 0)
+      : max_tokens(max_chunk == 0 ? 1 : max_chunk) {
+    cfg.validate();
+    const std::size_t n = this->max_tokens;
+    const auto dim = static_cast<std::size_t>(cfg.dim);
+    const auto kv_dim = static_cast<std::size_t>(cfg.kv_dim());
+    const auto hidden = static_cast<std::size_t>(cfg.hidden_dim);
+    const auto half = static_cast<std::size_t>(cfg.head_size()) / 2;
+    x = AlignedBuffer<T>(n * dim);
+    xb = AlignedBuffer<T>(n * dim);
+    q = AlignedBuffer<T>(n * dim);
+    k = AlignedBuffer<T>(n * kv_dim);
+    v = AlignedBuffer<T>(n * kv_dim);
+    att = AlignedBuffer<T>(n * dim);
+    hb = AlignedBuffer<T>(n * hidden);
+    hb2 = AlignedBuffer<T>(n * hidden);
+    rope_cos = AlignedBuffer<T>(n * half);
+    rope_sin = AlignedBuffer<T>(n * half);
+    logits = AlignedBuffer<T>(static_cast<std::size_t>(cfg.vocab_size));
+    attention = AttentionScratch<T>(cfg, n, store_scratch);
+  }
+
+  std::size_t max_tokens = 1;
+  AlignedBuffer<T> x;         // [max_tokens][dim]         residual stream
+  AlignedBuffer<T> xb;        // [max_tokens][dim]         normed input / projection output
+  AlignedBuffer<T> q;         // [max_tokens][dim]         rotated queries
+  AlignedBuffer<T> k;         // [max_tokens][kv_dim]      rotated keys of the new tokens
+  AlignedBuffer<T> v;         // [max_tokens][kv_dim]      values of the new tokens
+  AlignedBuffer<T> att;       // [max_tokens][dim]         attention output, heads side by side
+  AlignedBuffer<T> hb;        // [max_tokens][hidden_dim]  FFN gate, then silu(gate) ⊙ up
+  AlignedBuffer<T> hb2;       // [max_tokens][hidden_dim]  FFN up
+  AlignedBuffer<T> rope_cos;  // [max_tokens][head_size/2] RoPE angles of each new token
+  AlignedBuffer<T> rope_sin;  // [max_tokens][head_size/2]
+  AlignedBuffer<T> logits;    // [vocab_size]              logits of the last token
+  AttentionScratch<T> attention;
+  /// When set, the forward pass adds the work it does here (see work_counters.hpp).
+  WorkCounters* counters = nullptr;
+};
+
+}  // namespace kvdecode

@@ -1,0 +1,131 @@
+// ContiguousStore<T>: the plain KV cache. Per layer one preallocated block of keys and one of
+// values, head-major, so attention streams each kv head's history as one dense matrix.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <span>
+
+#include "kvdecode/aligned_buffer.hpp"
+#include "kvdecode/error.hpp"
+#include "kvdecode/kv_store.hpp"
+#include "kvdecode/model_config.hpp"
+
+namespace kvdecode {
+
+/// Element order [n_layers][n_kv_heads][capacity][head_size] for keys and for values.
+///
+/// Why head-major rather than run.c's [layer][pos][kv_dim]: attention for one kv head reads all
+/// of that head's positions, so its keys form one contiguous [T][head_size] matrix (a unit-stride
+/// GEMV/GEMM operand, prefetcher-friendly, no strided gather), and the kv_mul query heads that
+/// share it reuse it from cache. Appending a token writes n_kv_heads short rows instead of one
+/// long one, which is negligible next to reading T rows. Keys are stored after RoPE, so they are
+/// computed once and never touched again.
+template <class T>
+class ContiguousStore {
+ public:
+  using Scalar = T;
+
+  ContiguousStore() = default;
+  /// A cache for `capacity` positions of the model `cfg`; capacity 0 means cfg.seq_len.
+  explicit ContiguousStore(const ModelConfig& cfg, std::size_t capacity = 0)
+      : n_layers_(static_cast<std::size_t>(cfg.n_layers)),
+        n_kv_heads_(static_cast<std::size_t>(cfg.n_kv_heads)),
+        head_size_(static_cast<std::size_t>(cfg.head_size())),
+        capacity_(capacity == 0 ? static_cast<std::size_t>(cfg.seq_len) : capacity) {
+    cfg.validate();
+    keys_ = AlignedBuffer<T>(n_layers_ * n_kv_heads_ * capacity_ * head_size_);
+    values_ = AlignedBuffer<T>(keys_.size());
+  }
+
+  std::size_t size() const { return size_; }
+  std::size_t pending() const { return pending_; }
+  std::size_t capacity() const { return capacity_; }
+  std::size_t n_layers() const { return n_layers_; }
+  std::size_t n_kv_heads() const { return n_kv_heads_; }
+  std::size_t head_size() const { return head_size_; }
+  /// 2 × n_layers × capacity × n_kv_heads × head_size × sizeof(T): all of it is reserved up front.
+  std::size_t memory_bytes() const { return keys_.bytes() + values_.bytes(); }
+  std::size_t rope_position(std::size_t index) const { return index; }
+  std::size_t block_scratch_size() const { return 0; }
+
+  void begin_append(std::size_t n) {
+    KVDECODE_CHECK(pending_ == 0, "ContiguousStore::begin_append: ", pending_,
+                   " positions are already pending");
+    KVDECODE_CHECK(n <= capacity_ - size_, "ContiguousStore: appending ", n,
+                   " positions to ", size_, " would exceed the capacity of ", capacity_);
+    pending_ = n;
+  }
+
+  /// Stores pending position i of a layer; k and v are [kv_dim] rows, heads one after another.
+  void write(std::size_t layer, std::size_t i, const T* k, const T* v) {
+    const std::size_t index = size_ + i;
+    for (std::size_t h = 0; h < n_kv_heads_; ++h) {
+      const std::size_t at = offset(layer, h, index);
+      std::copy_n(k + h * head_size_, head_size_, keys_.data() + at);
+      std::copy_n(v + h * head_size_, head_size_, values_.data() + at);
+    }
+  }
+
+  void commit_append() {
+    size_ += pending_;
+    pending_ = 0;
+  }
+  void cancel_append() noexcept { pending_ = 0; }
+
+  /// Rollback: keeps the first n positions. The dropped rows are simply overwritten later.
+  void truncate(std::size_t n) {
+    KVDECODE_CHECK(pending_ == 0, "ContiguousStore::truncate during an append");
+    KVDECODE_CHECK(n <= size_, "ContiguousStore::truncate(", n, ") beyond size ", size_);
+    size_ = n;
+  }
+  void reset() {
+    size_ = 0;
+    pending_ = 0;
+  }
+
+  template <class Sink>
+  void for_each_block(std::size_t layer, std::size_t kv_head, std::size_t end, std::span<T>,
+                      Sink&& sink) const {
+    if (end == 0) return;
+    const std::size_t at = offset(layer, kv_head, 0);
+    sink(KvBlock<T>{keys_.data() + at, values_.data() + at, head_size_, 0, end});
+  }
+
+  /// The cached key / value of one (layer, kv head, cache index): head_size elements.
+  std::span<const T> key(std::size_t layer, std::size_t kv_head, std::size_t index) const {
+    return {keys_.data() + offset(layer, kv_head, index), head_size_};
+  }
+  std::span<const T> value(std::size_t layer, std::size_t kv_head, std::size_t index) const {
+    return {values_.data() + offset(layer, kv_head, index), head_size_};
+  }
+
+  /// Makes this store an exact copy of other (same shape); the cost is a full memcpy, so it has
+  /// a name instead of a copy constructor.
+  void copy_from(const ContiguousStore& other) {
+    KVDECODE_CHECK(other.keys_.size() == keys_.size(), "ContiguousStore::copy_from: shapes differ");
+    keys_.copy_from(other.keys_);
+    values_.copy_from(other.values_);
+    size_ = other.size_;
+    pending_ = other.pending_;
+  }
+
+ private:
+  std::size_t offset(std::size_t layer, std::size_t kv_head, std::size_t index) const {
+    return ((layer * n_kv_heads_ + kv_head) * capacity_ + index) * head_size_;
+  }
+
+  std::size_t n_layers_ = 0;
+  std::size_t n_kv_heads_ = 0;
+  std::size_t head_size_ = 0;
+  std::size_t capacity_ = 0;
+  std::size_t size_ = 0;
+  std::size_t pending_ = 0;
+  AlignedBuffer<T> keys_;    // [n_layers][n_kv_heads][capacity][head_size]
+  AlignedBuffer<T> values_;  // [n_layers][n_kv_heads][capacity][head_size]
+};
+
+static_assert(KvStore<ContiguousStore<float>>);
+static_assert(KvStore<ContiguousStore<double>>);
+
+}  // namespace kvdecode

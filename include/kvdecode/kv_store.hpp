@@ -1,0 +1,76 @@
+// The KvStore concept: everything attention needs from a key/value cache, so the contiguous,
+// paged, quantized and windowed stores all plug into the same attention with no virtual calls.
+#pragma once
+
+#include <concepts>
+#include <cstddef>
+#include <span>
+
+namespace kvdecode {
+
+/// A run of cached keys and values of one (layer, kv head), as attention reads them. Rows are
+/// consecutive cache indices first, first+1, ..., first+n-1; a row holds head_size elements
+/// and rows are `stride` elements apart. Keys have RoPE applied already.
+template <class T>
+struct KvBlock {
+  const T* keys = nullptr;    // [n][stride], first head_size of each row used
+  const T* values = nullptr;  // [n][stride]
+  std::size_t stride = 0;
+  std::size_t first = 0;
+  std::size_t n = 0;
+};
+
+namespace detail {
+/// Stands for attention's block callback when the concept checks for_each_block.
+template <class T>
+struct KvBlockSinkArchetype {
+  void operator()(const KvBlock<T>&) const {}
+};
+}  // namespace detail
+
+/// What attention needs from a store.
+///
+/// Appending is a transaction: begin_append(n) makes room for n pending positions (throwing
+/// kvdecode::Error and changing nothing when it cannot), write() fills pending position i of a
+/// layer, for_each_block() may already read written pending rows (a prefill chunk attends to
+/// itself), and commit_append() makes them part of the sequence; cancel_append() drops them,
+/// leaving the store as it was before begin_append.
+///
+/// A cache index is a token's index in the sequence the store holds (0 = first token). The store
+/// says which RoPE position a cache index is rotated by, and it may hide keys from a query
+/// beyond the causal mask (a sliding window) through an optional `masks(q, k)` member.
+template <class S>
+concept KvStore =
+    requires(S& s, const S& cs, std::size_t i, const typename S::Scalar* row,
+             std::span<typename S::Scalar> scratch,
+             detail::KvBlockSinkArchetype<typename S::Scalar> sink) {
+      typename S::Scalar;
+      { cs.size() } -> std::same_as<std::size_t>;      // committed positions
+      { cs.pending() } -> std::same_as<std::size_t>;   // positions begun, not yet committed
+      { cs.capacity() } -> std::same_as<std::size_t>;  // most positions it can hold
+      { cs.n_layers() } -> std::same_as<std::size_t>;
+      { cs.n_kv_heads() } -> std::same_as<std::size_t>;
+      { cs.head_size() } -> std::same_as<std::size_t>;
+      { cs.memory_bytes() } -> std::same_as<std::size_t>;
+      { cs.rope_position(i) } -> std::same_as<std::size_t>;
+      /// Elements of caller scratch for_each_block needs (0 when it reads in place).
+      { cs.block_scratch_size() } -> std::same_as<std::size_t>;
+      s.begin_append(i);
+      s.write(i, i, row, row);  // (layer, pending index, k [kv_dim], v [kv_dim])
+      s.commit_append();
+      { s.cancel_append() } noexcept;
+      s.truncate(i);
+      s.reset();
+      // (layer, kv head, end cache index, scratch, sink): calls sink for blocks covering the
+      // cache indices [0, end) that are resident, in increasing cache-index order.
+      cs.for_each_block(i, i, i, scratch, sink);
+    };
+
+/// A store with an extra mask beyond causality (a sliding window): attention asks
+/// masks(q, k) for every score of a query q that is not simply past all keys.
+template <class S>
+concept MaskingKvStore = KvStore<S> && requires(const S& cs, std::size_t i) {
+  { cs.masks(i, i) } -> std::same_as<bool>;
+};
+
+}  // namespace kvdecode

@@ -1,0 +1,149 @@
+// Sampler: turns logits into the next token. Greedy (first maximum wins), temperature, top-k and
+// top-p, driven by llama2.c's xorshift64* generator so a seed reproduces a run.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <numeric>
+#include <span>
+#include <vector>
+
+#include "kvdecode/error.hpp"
+
+namespace kvdecode {
+
+struct SamplerOptions {
+  double temperature = 1.0;  ///< 0 is greedy argmax
+  double top_p = 0.9;        ///< nucleus mass; <= 0 or >= 1 disables it (plain multinomial)
+  std::int64_t top_k = 0;    ///< keep only the k most likely tokens; 0 disables it
+  std::uint64_t seed = 1;    ///< xorshift64* state; must not be 0
+};
+
+/// llama2.c run.c's random_u32 / random_f32 (xorshift64*).
+class XorShiftRng {
+ public:
+  explicit XorShiftRng(std::uint64_t seed) : state_(seed) {}
+  std::uint32_t next_u32() {
+    state_ ^= state_ >> 12;
+    state_ ^= state_ << 25;
+    state_ ^= state_ >> 27;
+    return static_cast<std::uint32_t>((state_ * 0x2545F4914F6CDD1Dull) >> 32);
+  }
+  /// Uniform in [0, 1) with 24 bits, as run.c.
+  float next_f32() { return static_cast<float>(next_u32() >> 8) / 16777216.0f; }
+
+ private:
+  std::uint64_t state_;
+};
+
+/// Samples token ids from logits. Holds its scratch ([vocab_size] probabilities and indices), so
+/// sampling allocates nothing; not shareable between threads.
+class Sampler {
+ public:
+  Sampler(std::int64_t vocab_size, const SamplerOptions& options)
+      : options_(options), rng_(options.seed) {
+    KVDECODE_CHECK(vocab_size > 0, "Sampler: vocab_size must be positive, got ", vocab_size);
+    KVDECODE_CHECK(options.temperature >= 0.0 && std::isfinite(options.temperature),
+                   "Sampler: temperature must be a finite number >= 0, got ", options.temperature);
+    KVDECODE_CHECK(std::isfinite(options.top_p), "Sampler: top_p must be finite, got ",
+                   options.top_p);
+    KVDECODE_CHECK(options.top_k >= 0, "Sampler: top_k must be >= 0, got ", options.top_k);
+    KVDECODE_CHECK(options.seed != 0, "Sampler: seed 0 would freeze xorshift64*; use any other");
+    probs_.resize(static_cast<std::size_t>(vocab_size));
+    order_.resize(static_cast<std::size_t>(vocab_size));
+  }
+
+  const SamplerOptions& options() const { return options_; }
+
+  /// The first index of the largest logit (NaNs never win).
+  template <class T>
+  static std::int32_t argmax(std::span<const T> logits) {
+    std::size_t best = 0;
+    for (std::size_t i = 1; i < logits.size(); ++i)
+      if (logits[i] > logits[best]) best = i;
+    return static_cast<std::int32_t>(best);
+  }
+
+  /// The next token for logits [vocab_size].
+  template <class T>
+  std::int32_t sample(std::span<const T> logits) {
+    KVDECODE_CHECK(logits.size() == probs_.size(), "Sampler::sample: ", logits.size(),
+                   " logits for a vocabulary of ", probs_.size());
+    if (options_.temperature == 0.0) return argmax(logits);
+    // softmax(logits / temperature), as run.c: subtract the max, exp, normalise.
+    const float inv_t = static_cast<float>(1.0 / options_.temperature);
+    float max_l = -INFINITY;
+    for (std::size_t i = 0; i < logits.size(); ++i)
+      max_l = std::max(max_l, static_cast<float>(logits[i]) * inv_t);
+    float sum = 0.0f;
+    for (std::size_t i = 0; i < logits.size(); ++i) {
+      probs_[i] = std::exp(static_cast<float>(logits[i]) * inv_t - max_l);
+      sum += probs_[i];
+    }
+    for (float& p : probs_) p /= sum;
+    const float coin = rng_.next_f32();
+    const std::size_t n = probs_.size();
+    const bool use_k = options_.top_k > 0 && static_cast<std::size_t>(options_.top_k) < n;
+    const bool use_p = options_.top_p > 0.0 && options_.top_p < 1.0;
+    if (!use_k && !use_p) return multinomial(coin);
+    return truncated(coin, use_k ? static_cast<std::size_t>(options_.top_k) : n,
+                     use_p ? static_cast<float>(options_.top_p) : 1.0f);
+  }
+
+ private:
+  // run.c sample_mult(): the first i with coin < cdf_i, else the last index.
+  std::int32_t multinomial(float coin) const {
+    float cdf = 0.0f;
+    for (std::size_t i = 0; i < probs_.size(); ++i) {
+      cdf += probs_[i];
+      if (coin < cdf) return static_cast<std::int32_t>(i);
+    }
+    return static_cast<std::int32_t>(probs_.size() - 1);
+  }
+
+  // Top-k then top-p (run.c sample_topp()): candidates sorted by probability, descending (ties
+  // by index, where run.c's qsort leaves them unspecified), cut after the k-th and after the
+  // first whose running sum exceeds top_p (all of them when none does), then sampled in
+  // proportion within the cut.
+  std::int32_t truncated(float coin, std::size_t k, float top_p) {
+    const std::size_t n = probs_.size();
+    // run.c drops candidates below (1 - top_p) / (n - 1) before sorting: they can't be kept.
+    const float cutoff = top_p < 1.0f && n > 1 ? (1.0f - top_p) / static_cast<float>(n - 1) : 0.0f;
+    std::size_t m = 0;
+    for (std::size_t i = 0; i < n; ++i)
+      if (probs_[i] >= cutoff) order_[m++] = static_cast<std::int32_t>(i);
+    const auto by_prob = [&](std::int32_t a, std::int32_t b) {
+      const float pa = probs_[static_cast<std::size_t>(a)];
+      const float pb = probs_[static_cast<std::size_t>(b)];
+      return pa > pb || (pa == pb && a < b);
+    };
+    const std::size_t keep_k = std::min(k, m);
+    std::partial_sort(order_.begin(), order_.begin() + static_cast<std::ptrdiff_t>(keep_k),
+                      order_.begin() + static_cast<std::ptrdiff_t>(m), by_prob);
+    float cumulative = 0.0f;
+    std::size_t last = keep_k - 1;
+    for (std::size_t i = 0; i < keep_k; ++i) {
+      cumulative += probs_[static_cast<std::size_t>(order_[i])];
+      if (cumulative > top_p) {
+        last = i;
+        break;
+      }
+    }
+    const float r = coin * cumulative;
+    float cdf = 0.0f;
+    for (std::size_t i = 0; i <= last; ++i) {
+      cdf += probs_[static_cast<std::size_t>(order_[i])];
+      if (r < cdf) return order_[i];
+    }
+    return order_[last];
+  }
+
+  SamplerOptions options_;
+  XorShiftRng rng_;
+  std::vector<float> probs_;         // [vocab_size]
+  std::vector<std::int32_t> order_;  // [vocab_size] candidate ids, sorted by probability
+};
+
+}  // namespace kvdecode

@@ -1,0 +1,469 @@
+// Tokenizer: llama2.c's tokenizer.bin vocabulary with run.c's exact encode (dummy prefix, UTF-8
+// code points, byte fallback, best-score pair merges), decode and safe_printf rules.
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <bit>
+#include <cerrno>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <filesystem>
+#include <limits>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <system_error>
+#include <utility>
+#include <vector>
+
+#include "kvdecode/error.hpp"
+
+namespace kvdecode {
+namespace detail {
+
+/// isprint() in the C locale: 0x20..0x7E. Written out so that no global locale can change it.
+constexpr bool is_c_print(unsigned char c) { return c >= 0x20 && c <= 0x7E; }
+
+/// isspace() in the C locale: ' ', \t, \n, \v, \f, \r.
+constexpr bool is_c_space(unsigned char c) { return c == ' ' || (c >= '\t' && c <= '\r'); }
+
+constexpr int hex_digit_value(char c) {
+  if (c >= '0' && c <= '9') return c - '0';
+  if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+  if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+  return -1;
+}
+
+/// The byte that run.c's decode() finds in `piece`, or -1 when there is none. run.c tests
+/// `sscanf(piece, "<0x%02hhX>", &byte) == 1`, so this follows glibc's %2X, not just "<0xNN>":
+/// leading white space is skipped (outside the width), then at most 2 characters of an optional
+/// sign, an optional "0x" prefix whose 0 counts as a digit, and hex digits; a minus negates modulo
+/// 256; the closing '>' and anything after it are never checked.
+constexpr int parse_byte_piece(std::string_view piece) {
+  if (!piece.starts_with("<0x")) return -1;
+  std::size_t i = 3;
+  while (i < piece.size() && is_c_space(static_cast<unsigned char>(piece[i]))) ++i;
+  int width = 2;
+  bool negative = false;
+  if (i < piece.size() && (piece[i] == '+' || piece[i] == '-')) {
+    negative = piece[i] == '-';
+    ++i;
+    --width;
+  }
+  unsigned value = 0;
+  int digits = 0;
+  if (width > 0 && i < piece.size() && piece[i] == '0') {
+    ++i;
+    --width;
+    ++digits;
+    if (width > 0 && i < piece.size() && (piece[i] == 'x' || piece[i] == 'X')) {
+      ++i;
+      --width;
+    }
+  }
+  for (; width > 0 && i < piece.size() && hex_digit_value(piece[i]) >= 0; ++i, --width) {
+    value = value * 16 + static_cast<unsigned>(hex_digit_value(piece[i]));
+    ++digits;
+  }
+  if (digits == 0) return -1;
+  if (negative) value = 0u - value;
+  return static_cast<int>(value & 0xFFu);
+}
+
+/// One single-byte string per byte value, so decode() can return a view of a raw byte the way
+/// run.c returns `byte_pieces + 2 * byte`.
+inline constexpr std::array<char, 256> kBytePieces = [] {
+  std::array<char, 256> bytes{};
+  for (int b = 0; b < 256; ++b) bytes[static_cast<std::size_t>(b)] = static_cast<char>(b);
+  return bytes;
+}();
+
+inline void append_u32_le(std::vector<std::byte>& out, std::uint32_t v) {
+  for (int shift = 0; shift < 32; shift += 8) out.push_back(static_cast<std::byte>(v >> shift));
+}
+
+inline std::uint32_t read_u32_le(const std::byte* p) {
+  return static_cast<std::uint32_t>(p[0]) | (static_cast<std::uint32_t>(p[1]) << 8) |
+         (static_cast<std::uint32_t>(p[2]) << 16) | (static_cast<std::uint32_t>(p[3]) << 24);
+}
+
+struct FileCloser {
+  void operator()(std::FILE* f) const { std::fclose(f); }
+};
+
+}  // namespace detail
+
+/// A llama2.c vocabulary: piece bytes and merge scores per token id, plus run.c's encode and
+/// decode. Immutable after construction, so one Tokenizer may be shared across threads.
+///
+/// Where run.c leaves behaviour open, this class decides:
+/// * Trailing bytes after the vocab_size entries are accepted and ignored, as run.c does (it
+///   reads exactly vocab_size entries, since tokenizer.bin does not store the count).
+/// * Duplicate pieces are accepted; a lookup finds the lowest id (run.c's bsearch finds any).
+/// * Pieces and text are byte strings. run.c handles NUL-terminated C strings, so it never sees a
+///   NUL byte in the text; here a NUL is an ordinary byte (byte fallback gives id 3).
+/// * Empty pieces are accepted (run.c's fread of 0 bytes fails, so it rejects them), and scores
+///   are taken as they are, NaN included (a NaN-scored merge is never chosen, as in run.c).
+/// * The vocabulary must hold the BOS and EOS ids (vocab_size >= 3) and the piece " ".
+class Tokenizer {
+ public:
+  static constexpr std::int32_t kBos = 1;  ///< run.c hard-codes BOS = 1 (stored as "\n<s>\n")
+  static constexpr std::int32_t kEos = 2;  ///< run.c hard-codes EOS = 2 (stored as "\n</s>\n")
+  /// run.c's byte fallback emits id = byte + kByteIdOffset (after <unk>, <s>, </s>).
+  static constexpr std::int32_t kByteIdOffset = 3;
+
+  /// Reads a tokenizer.bin file. vocab_size comes from the checkpoint header (the file does not
+  /// store it). Throws Error naming the file, the entry and the expected vs actual value.
+  static Tokenizer load(const std::filesystem::path& file, std::int64_t vocab_size) {
+    const std::string name = file.string();
+    std::error_code ec;
+    const std::uintmax_t size = std::filesystem::file_size(file, ec);
+    KVDECODE_CHECK(!ec, "tokenizer.bin '", name, "': cannot read: ", ec.message());
+    std::unique_ptr<std::FILE, detail::FileCloser> f(std::fopen(name.c_str(), "rb"));
+    KVDECODE_CHECK(f != nullptr, "tokenizer.bin '", name,
+                   "': cannot open: ", std::generic_category().message(errno));
+    std::vector<std::byte> bytes(static_cast<std::size_t>(size));
+    const std::size_t got = std::fread(bytes.data(), 1, bytes.size(), f.get());
+    KVDECODE_CHECK(got == bytes.size(), "tokenizer.bin '", name, "': read ", got, " of ",
+                   bytes.size(), " bytes");
+    return from_memory(bytes, vocab_size, name);
+  }
+
+  /// Parses tokenizer.bin bytes (see load()); `name` labels the error messages.
+  static Tokenizer from_memory(std::span<const std::byte> bytes, std::int64_t vocab_size,
+                               std::string_view name = "<memory>") {
+    const std::string context = detail::concat("tokenizer.bin '", name, "'");
+    check_vocab_size(vocab_size, context);
+    const std::uint64_t file_size = bytes.size();
+    std::uint64_t pos = 0;
+    // Every read names the field, so a truncated file says where it ends and what was missing.
+    // piece_len >= 0 names the field "the <piece_len>-byte piece"; entry < 0 means the header.
+    auto need = [&](std::uint64_t n, std::int64_t entry, const char* field,
+                    std::int64_t piece_len = -1) {
+      if (file_size - pos >= n) return;
+      const std::string what =
+          piece_len >= 0 ? detail::concat("the ", piece_len, "-byte piece") : std::string(field);
+      const std::string where =
+          entry >= 0 ? detail::concat(": entry ", entry, " of ", vocab_size) : std::string();
+      KVDECODE_FAIL(context, where, ": file ends at byte ", file_size, " while reading ", what,
+                    " (needs ", n - (file_size - pos), " more bytes)");
+    };
+    need(4, -1, "max_token_length");
+    const std::uint32_t max_token_length = detail::read_u32_le(bytes.data() + pos);
+    pos += 4;
+
+    std::string piece_bytes;
+    std::vector<std::size_t> offsets;
+    std::vector<float> scores;
+    // Reserve no more than the file can hold (>= 8 bytes an entry), so that a wrong vocab_size
+    // fails on the truncation check instead of on a huge allocation.
+    const auto max_entries = static_cast<std::int64_t>((file_size - 4) / 8);
+    offsets.reserve(static_cast<std::size_t>(std::min(vocab_size, max_entries)) + 1);
+    scores.reserve(static_cast<std::size_t>(std::min(vocab_size, max_entries)));
+    piece_bytes.reserve(static_cast<std::size_t>(file_size - 4));
+    offsets.push_back(0);
+    for (std::int64_t i = 0; i < vocab_size; ++i) {
+      need(4, i, "the score");
+      scores.push_back(std::bit_cast<float>(detail::read_u32_le(bytes.data() + pos)));
+      pos += 4;
+      need(4, i, "the piece length");
+      const auto len = static_cast<std::int32_t>(detail::read_u32_le(bytes.data() + pos));
+      pos += 4;
+      KVDECODE_CHECK(len >= 0, context, ": entry ", i, " of ", vocab_size, ": piece length ", len,
+                     " is negative");
+      need(static_cast<std::uint64_t>(len), i, "the piece", len);
+      piece_bytes.append(reinterpret_cast<const char*>(bytes.data() + pos),
+                         static_cast<std::size_t>(len));
+      pos += static_cast<std::uint64_t>(len);
+      offsets.push_back(piece_bytes.size());
+    }
+    return Tokenizer(std::move(piece_bytes), std::move(offsets), std::move(scores),
+                     max_token_length, context);
+  }
+
+  /// Builds a vocabulary from pieces (id = index) and their scores; validated like a file.
+  Tokenizer(const std::vector<std::string>& pieces, std::vector<float> scores,
+            std::uint32_t max_token_length)
+      : Tokenizer(join(pieces), piece_offsets(pieces), std::move(scores), max_token_length,
+                  "Tokenizer") {}
+
+  /// run.c encode(text, bos, eos): BOS, the dummy prefix " " (for non-empty text), one token per
+  /// UTF-8 code point (or one byte token per byte), then best-score pair merges, then EOS.
+  std::vector<std::int32_t> encode(std::string_view text, bool bos = true, bool eos = false) const {
+    std::vector<std::int32_t> out;
+    encode(text, bos, eos, out);
+    return out;
+  }
+
+  /// As encode() above, but replaces the contents of `out` and reuses its capacity: a call
+  /// allocates nothing once `out` has held 2 * (text.size() + 2) ids. On a throw, `out` is
+  /// unchanged.
+  void encode(std::string_view text, bool bos, bool eos, std::vector<std::int32_t>& out) const {
+    // Byte fallback hard-codes id = byte + 3 (run.c); only a vocabulary without all 256 byte ids
+    // can fail it, so only then is the text scanned first (to throw before touching `out`).
+    if (vocab_size() < 256 + kByteIdOffset) check_byte_fallback(text);
+    out.clear();
+    out.reserve(2 * (text.size() + 2));
+    if (bos) out.push_back(kBos);
+    // run.c: "add_dummy_prefix is true by default", but only if text != "".
+    if (!text.empty()) out.push_back(space_id_);
+    for (std::size_t begin = 0; begin < text.size();) {
+      const std::size_t end = code_point_end(text, begin);
+      const std::string_view code_point = text.substr(begin, end - begin);
+      if (const std::int32_t id = lookup(code_point, {}); id >= 0) {
+        out.push_back(id);
+      } else {
+        for (const char c : code_point) {
+          out.push_back(static_cast<unsigned char>(c) + kByteIdOffset);
+        }
+      }
+      begin = end;
+    }
+    merge_pairs(out);
+    if (eos) out.push_back(kEos);
+  }
+
+  /// run.c decode(prev_token, token): the piece of `token`, without its leading space when
+  /// prev_token is BOS, and a byte piece "<0xNN>" as that one raw byte. The view lives as long as
+  /// the Tokenizer (or forever, for a raw byte). Only `token` must be a valid id.
+  std::string_view decode(std::int32_t prev_token, std::int32_t token) const {
+    check_id(token, "decode");
+    std::string_view p = piece(token);
+    // run.c: "following BOS (1) token, sentencepiece decoder strips any leading whitespace".
+    if (prev_token == kBos && p.starts_with(' ')) p.remove_prefix(1);
+    if (const int byte = detail::parse_byte_piece(p); byte >= 0) {
+      return {&detail::kBytePieces[static_cast<std::size_t>(byte)], 1};
+    }
+    return p;
+  }
+
+  /// What run.c's safe_printf(piece) writes: the piece up to its first NUL (printf "%s"),
+  /// except that an empty piece, or a single byte that is neither isprint nor isspace in the C
+  /// locale, writes nothing. So raw bytes >= 0x80 from byte tokens vanish; multi-byte pieces
+  /// are written whole.
+  static std::string_view printed_text(std::string_view piece) {
+    piece = piece.substr(0, piece.find('\0'));
+    if (piece.size() == 1) {
+      const auto c = static_cast<unsigned char>(piece[0]);
+      if (!detail::is_c_print(c) && !detail::is_c_space(c)) return {};
+    }
+    return piece;
+  }
+
+  /// Whether run.c's safe_printf(piece) writes anything (see printed_text()).
+  static bool is_printable_piece(std::string_view piece) { return !printed_text(piece).empty(); }
+
+  /// The lowest id whose piece is exactly `piece` (run.c's str_lookup), if any.
+  std::optional<std::int32_t> find(std::string_view piece) const {
+    const std::int32_t id = lookup(piece, {});
+    if (id < 0) return std::nullopt;
+    return id;
+  }
+
+  std::int64_t vocab_size() const { return static_cast<std::int64_t>(scores_.size()); }
+
+  /// The stored bytes of a piece (" " stands for sentencepiece's U+2581).
+  std::string_view piece(std::int32_t id) const {
+    check_id(id, "piece");
+    return piece_unchecked(id);
+  }
+
+  /// The merge score of a piece: among candidate pairs, the merge with the highest score wins.
+  float score(std::int32_t id) const {
+    check_id(id, "score");
+    return scores_[static_cast<std::size_t>(id)];
+  }
+
+  /// The header field; at least as long as the longest piece.
+  std::uint32_t max_token_length() const { return max_token_length_; }
+
+  /// The tokenizer.bin bytes of this vocabulary (no trailing bytes).
+  std::vector<std::byte> to_bytes() const {
+    std::vector<std::byte> out;
+    out.reserve(4 + 8 * scores_.size() + piece_bytes_.size());
+    detail::append_u32_le(out, max_token_length_);
+    for (std::size_t i = 0; i < scores_.size(); ++i) {
+      const std::string_view p = piece_unchecked(static_cast<std::int32_t>(i));
+      detail::append_u32_le(out, std::bit_cast<std::uint32_t>(scores_[i]));
+      detail::append_u32_le(out, static_cast<std::uint32_t>(p.size()));
+      for (const char c : p) out.push_back(static_cast<std::byte>(c));
+    }
+    return out;
+  }
+
+  /// Writes to_bytes() to `file`, replacing it. Throws Error naming the file on failure.
+  void save(const std::filesystem::path& file) const {
+    const std::string name = file.string();
+    const std::vector<std::byte> bytes = to_bytes();
+    std::unique_ptr<std::FILE, detail::FileCloser> f(std::fopen(name.c_str(), "wb"));
+    KVDECODE_CHECK(f != nullptr, "tokenizer.bin '", name, "': cannot open for writing: ",
+                   std::generic_category().message(errno));
+    const std::size_t written = std::fwrite(bytes.data(), 1, bytes.size(), f.get());
+    const int close_result = std::fclose(f.release());
+    KVDECODE_CHECK(written == bytes.size() && close_result == 0, "tokenizer.bin '", name,
+                   "': wrote ", written, " of ", bytes.size(), " bytes",
+                   close_result == 0 ? "" : " and closing failed");
+  }
+
+ private:
+  Tokenizer(std::string piece_bytes, std::vector<std::size_t> offsets, std::vector<float> scores,
+            std::uint32_t max_token_length, const std::string& context)
+      : piece_bytes_(std::move(piece_bytes)),
+        offsets_(std::move(offsets)),
+        scores_(std::move(scores)),
+        max_token_length_(max_token_length) {
+    KVDECODE_CHECK(offsets_.size() == scores_.size() + 1, context, ": ", offsets_.size() - 1,
+                   " pieces but ", scores_.size(), " scores");
+    check_vocab_size(static_cast<std::int64_t>(scores_.size()), context);
+    for (std::size_t i = 0; i < scores_.size(); ++i) {
+      const std::size_t len = offsets_[i + 1] - offsets_[i];
+      // run.c merges into a buffer of 2 * max_token_length + 3 bytes, so no piece may be longer.
+      KVDECODE_CHECK(len <= max_token_length_, context, ": max_token_length ", max_token_length_,
+                     " is shorter than piece ", i, " (", len, " bytes)");
+      KVDECODE_CHECK(len <= static_cast<std::size_t>(std::numeric_limits<std::int32_t>::max()),
+                     context, ": piece ", i, " has ", len,
+                     " bytes, more than the file's int32 length field holds");
+    }
+    sorted_ids_.resize(scores_.size());
+    for (std::size_t i = 0; i < sorted_ids_.size(); ++i) {
+      sorted_ids_[i] = static_cast<std::int32_t>(i);
+    }
+    // Byte order (as strcmp), ties by id, so lower_bound finds the lowest id of a duplicate.
+    std::sort(sorted_ids_.begin(), sorted_ids_.end(), [this](std::int32_t a, std::int32_t b) {
+      const int c = piece_unchecked(a).compare(piece_unchecked(b));
+      return c != 0 ? c < 0 : a < b;
+    });
+    space_id_ = lookup(" ", {});
+    // run.c would silently push id -1 as the dummy prefix of every non-empty text.
+    KVDECODE_CHECK(space_id_ >= 0, context,
+                   ": vocabulary lacks the one-character piece \" \" needed as the dummy prefix");
+  }
+
+  static void check_vocab_size(std::int64_t vocab_size, const std::string& context) {
+    KVDECODE_CHECK(vocab_size >= 3, context, ": vocab_size ", vocab_size,
+                   " must be at least 3 (ids 0 <unk>, 1 BOS and 2 EOS)");
+    KVDECODE_CHECK(vocab_size <= std::numeric_limits<std::int32_t>::max(), context,
+                   ": vocab_size ", vocab_size, " does not fit the int32 token ids");
+  }
+
+  static std::string join(const std::vector<std::string>& pieces) {
+    std::string out;
+    for (const std::string& p : pieces) out += p;
+    return out;
+  }
+
+  static std::vector<std::size_t> piece_offsets(const std::vector<std::string>& pieces) {
+    std::vector<std::size_t> offsets(1, 0);
+    offsets.reserve(pieces.size() + 1);
+    for (const std::string& p : pieces) offsets.push_back(offsets.back() + p.size());
+    return offsets;
+  }
+
+  void check_id(std::int32_t id, const char* what) const {
+    KVDECODE_CHECK(id >= 0 && id < vocab_size(), "Tokenizer::", what, ": token id ", id,
+                   " is outside [0, vocab_size ", vocab_size(), ")");
+  }
+
+  std::string_view piece_unchecked(std::int32_t id) const {
+    const auto i = static_cast<std::size_t>(id);
+    return std::string_view(piece_bytes_).substr(offsets_[i], offsets_[i + 1] - offsets_[i]);
+  }
+
+  /// Three-way byte comparison of `p` with the concatenation a ++ b, without building it.
+  static int compare_with_concat(std::string_view p, std::string_view a, std::string_view b) {
+    if (p.size() < a.size()) {
+      const int c = p.compare(a.substr(0, p.size()));
+      return c != 0 ? c : -1;  // p is a proper prefix of a, hence shorter than a ++ b
+    }
+    const int c = p.substr(0, a.size()).compare(a);
+    return c != 0 ? c : p.substr(a.size()).compare(b);
+  }
+
+  /// The lowest id whose piece equals a ++ b, or -1 (run.c's sprintf("%s%s") + str_lookup).
+  std::int32_t lookup(std::string_view a, std::string_view b) const {
+    if (a.size() + b.size() > max_token_length_) return -1;  // longer than every piece
+    const auto it = std::lower_bound(
+        sorted_ids_.begin(), sorted_ids_.end(), 0, [&](std::int32_t id, int /*unused*/) {
+          return compare_with_concat(piece_unchecked(id), a, b) < 0;
+        });
+    if (it == sorted_ids_.end() || compare_with_concat(piece_unchecked(*it), a, b) != 0) return -1;
+    return *it;
+  }
+
+  /// run.c's code point split: a byte plus the continuation bytes (10xxxxxx) after it, at most
+  /// 4 bytes in all; a stray continuation byte starts a group of its own.
+  static std::size_t code_point_end(std::string_view text, std::size_t begin) {
+    std::size_t end = begin + 1;
+    while (end < text.size() && end - begin < 4 &&
+           (static_cast<unsigned char>(text[end]) & 0xC0) == 0x80) {
+      ++end;
+    }
+    return end;
+  }
+
+  void check_byte_fallback(std::string_view text) const {
+    for (std::size_t begin = 0; begin < text.size();) {
+      const std::size_t end = code_point_end(text, begin);
+      if (lookup(text.substr(begin, end - begin), {}) < 0) {
+        for (std::size_t i = begin; i < end; ++i) {
+          const int byte = static_cast<unsigned char>(text[i]);
+          KVDECODE_CHECK(byte + kByteIdOffset < vocab_size(), "Tokenizer::encode: byte ", byte,
+                         " at text offset ", i, " is not in a piece and needs the byte-fallback id ",
+                         byte + kByteIdOffset, " (= byte + 3, as in run.c), but vocab_size is ",
+                         vocab_size());
+        }
+      }
+      begin = end;
+    }
+  }
+
+  /// run.c's merge loop over tokens = out[0, n): repeatedly merge the adjacent pair whose merged
+  /// piece has the highest score (strictly greater than the best so far, starting at -1e10, so
+  /// the leftmost pair wins ties) until no pair merges. Same result as run.c, but each pair's
+  /// lookup is cached and only the two pairs beside a merge are looked up again, which turns
+  /// run.c's O(n) lookups per merge into 2. The cache lives in out's tail.
+  void merge_pairs(std::vector<std::int32_t>& out) const {
+    std::size_t n = out.size();
+    if (n < 2) return;
+    const std::size_t n0 = n;
+    out.resize(2 * n0 - 1);
+    std::int32_t* tokens = out.data();        // [n]: the tokens so far
+    std::int32_t* pair_ids = out.data() + n0;  // [n - 1]: merge of (tokens[i], tokens[i+1]) or -1
+    auto pair_id = [&](std::size_t i) {
+      return lookup(piece_unchecked(tokens[i]), piece_unchecked(tokens[i + 1]));
+    };
+    for (std::size_t i = 0; i + 1 < n; ++i) pair_ids[i] = pair_id(i);
+    while (true) {
+      float best_score = -1e10f;
+      std::size_t best = n;
+      for (std::size_t i = 0; i + 1 < n; ++i) {
+        const std::int32_t id = pair_ids[i];
+        if (id >= 0 && scores_[static_cast<std::size_t>(id)] > best_score) {
+          best_score = scores_[static_cast<std::size_t>(id)];
+          best = i;
+        }
+      }
+      if (best == n) break;
+      tokens[best] = pair_ids[best];
+      std::copy(tokens + best + 2, tokens + n, tokens + best + 1);
+      std::copy(pair_ids + best + 2, pair_ids + n - 1, pair_ids + best + 1);
+      --n;
+      if (best > 0) pair_ids[best - 1] = pair_id(best - 1);
+      if (best + 1 < n) pair_ids[best] = pair_id(best);
+    }
+    out.resize(n);
+  }
+
+  std::string piece_bytes_;           // [sum of piece lengths]: every piece, in id order
+  std::vector<std::size_t> offsets_;  // [vocab_size + 1]: piece id spans [offsets_[id], offsets_[id+1])
+  std::vector<float> scores_;         // [vocab_size]: merge score per id
+  std::vector<std::int32_t> sorted_ids_;  // [vocab_size]: ids ordered by piece bytes, then id
+  std::uint32_t max_token_length_ = 0;
+  std::int32_t space_id_ = -1;  // id of " ", the dummy prefix
+};
+
+}  // namespace kvdecode
