@@ -1,0 +1,115 @@
+// Sampler: llama2.c's xorshift64*, greedy ties, and the distributions top-k / top-p sample from.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "kvdecode/sampler.hpp"
+
+namespace kvdecode {
+namespace {
+
+// run.c random_u32 written out again here, step by step.
+TEST(SamplerTest, XorShiftMatchesRunCFormula) {
+  std::uint64_t s = 42;
+  XorShiftRng rng(42);
+  for (int i = 0; i < 1000; ++i) {
+    s ^= s >> 12;
+    s ^= s << 25;
+    s ^= s >> 27;
+    const auto expected = static_cast<std::uint32_t>((s * 0x2545F4914F6CDD1Dull) >> 32);
+    ASSERT_EQ(rng.next_u32(), expected) << "draw " << i;
+  }
+  XorShiftRng f(7);
+  for (int i = 0; i < 1000; ++i) {
+    const float x = f.next_f32();
+    ASSERT_GE(x, 0.0f);
+    ASSERT_LT(x, 1.0f);
+  }
+}
+
+TEST(SamplerTest, GreedyTakesFirstMaximum) {
+  Sampler s(5, SamplerOptions{0.0, 0.9, 0, 1});
+  const std::vector<float> logits = {1.0f, 3.0f, -2.0f, 3.0f, 0.5f};
+  EXPECT_EQ(s.sample(std::span<const float>(logits)), 1);
+  const std::vector<double> d = {-1.0, -1.0, -3.0};
+  EXPECT_EQ(Sampler::argmax(std::span<const double>(d)), 0);
+}
+
+// Frequencies over many draws follow the truncated, renormalised distribution.
+std::vector<double> frequencies(const SamplerOptions& o, const std::vector<float>& logits,
+                                int draws) {
+  Sampler s(static_cast<std::int64_t>(logits.size()), o);
+  std::vector<double> f(logits.size());
+  for (int i = 0; i < draws; ++i) f[static_cast<std::size_t>(s.sample(std::span<const float>(logits)))] += 1.0 / draws;
+  return f;
+}
+
+std::vector<float> logits_of(const std::vector<double>& probs) {
+  std::vector<float> l;
+  for (const double p : probs) l.push_back(static_cast<float>(std::log(p)));
+  return l;
+}
+
+TEST(SamplerTest, MultinomialFollowsSoftmax) {
+  const std::vector<double> p = {0.5, 0.3, 0.15, 0.05};
+  const auto f = frequencies(SamplerOptions{1.0, 1.0, 0, 9}, logits_of(p), 200000);
+  for (std::size_t i = 0; i < p.size(); ++i) EXPECT_NEAR(f[i], p[i], 0.01) << i;
+}
+
+TEST(SamplerTest, TemperatureSharpens) {
+  const std::vector<double> p = {0.5, 0.3, 0.15, 0.05};
+  // softmax(log p / 0.5) = p² / Σ p².
+  double z = 0;
+  for (const double x : p) z += x * x;
+  const auto f = frequencies(SamplerOptions{0.5, 1.0, 0, 3}, logits_of(p), 200000);
+  for (std::size_t i = 0; i < p.size(); ++i) EXPECT_NEAR(f[i], p[i] * p[i] / z, 0.01) << i;
+}
+
+TEST(SamplerTest, TopPKeepsTheNucleus) {
+  const std::vector<double> p = {0.15, 0.5, 0.05, 0.3};
+  // Sorted: 0.5, 0.3 (sum 0.8 > 0.7: the cut includes the crossing token), renormalised.
+  const auto f = frequencies(SamplerOptions{1.0, 0.7, 0, 5}, logits_of(p), 200000);
+  EXPECT_NEAR(f[1], 0.5 / 0.8, 0.01);
+  EXPECT_NEAR(f[3], 0.3 / 0.8, 0.01);
+  EXPECT_EQ(f[0], 0.0);
+  EXPECT_EQ(f[2], 0.0);
+}
+
+TEST(SamplerTest, TopKKeepsTheKMostLikely) {
+  const std::vector<double> p = {0.15, 0.5, 0.05, 0.3};
+  const auto f = frequencies(SamplerOptions{1.0, 1.0, 2, 5}, logits_of(p), 200000);
+  EXPECT_NEAR(f[1], 0.5 / 0.8, 0.01);
+  EXPECT_NEAR(f[3], 0.3 / 0.8, 0.01);
+  EXPECT_EQ(f[0] + f[2], 0.0);
+  const auto g = frequencies(SamplerOptions{1.0, 0.9, 1, 5}, logits_of(p), 1000);
+  EXPECT_NEAR(g[1], 1.0, 1e-9);  // top-k 1 is greedy
+}
+
+TEST(SamplerTest, SameSeedSameTokens) {
+  const std::vector<float> l = logits_of({0.2, 0.2, 0.2, 0.2, 0.2});
+  Sampler a(5, SamplerOptions{1.0, 0.9, 0, 77}), b(5, SamplerOptions{1.0, 0.9, 0, 77});
+  for (int i = 0; i < 100; ++i)
+    EXPECT_EQ(a.sample(std::span<const float>(l)), b.sample(std::span<const float>(l)));
+}
+
+TEST(SamplerTest, BadOptionsAreNamed) {
+  EXPECT_THAT([] { Sampler(4, SamplerOptions{-1.0, 0.9, 0, 1}); },
+              ::testing::ThrowsMessage<Error>(::testing::HasSubstr("temperature must be")));
+  EXPECT_THAT([] { Sampler(4, SamplerOptions{1.0, 0.9, -2, 1}); },
+              ::testing::ThrowsMessage<Error>(::testing::HasSubstr("top_k must be >= 0, got -2")));
+  EXPECT_THAT([] { Sampler(4, SamplerOptions{1.0, 0.9, 0, 0}); },
+              ::testing::ThrowsMessage<Error>(::testing::HasSubstr("seed 0")));
+  EXPECT_THAT([] { Sampler(0, SamplerOptions{}); },
+              ::testing::ThrowsMessage<Error>(::testing::HasSubstr("vocab_size must be positive")));
+  Sampler s(4, SamplerOptions{});
+  const std::vector<float> three(3);
+  EXPECT_THAT([&] { s.sample(std::span<const float>(three)); },
+              ::testing::ThrowsMessage<Error>(::testing::HasSubstr("3 logits for a vocabulary of 4")));
+}
+
+}  // namespace
+}  // namespace kvdecode
