@@ -394,7 +394,7 @@ TEST(TokenizerTest, MergePriorityFollowsScores) {
   for (const bool ab_first : {true, false}) {
     Vocab v = llama_base_vocab();
     const std::int32_t a = v.add("a", -100.0f);
-    const std::int32_t b = v.add("b", -100.0f);
+    v.add("b", -100.0f);
     const std::int32_t c = v.add("c", -100.0f);
     const std::int32_t ab = v.add("ab", ab_first ? -1.0f : -2.0f);
     const std::int32_t bc = v.add("bc", ab_first ? -2.0f : -1.0f);
@@ -402,7 +402,6 @@ TEST(TokenizerTest, MergePriorityFollowsScores) {
                                                    ? std::vector<std::int32_t>{1, kSpace, ab, c}
                                                    : std::vector<std::int32_t>{1, kSpace, a, bc};
     EXPECT_EQ(v.build().encode("abc"), expected) << "ab_first " << ab_first;
-    (void)b;
   }
 }
 

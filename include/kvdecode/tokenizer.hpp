@@ -200,8 +200,8 @@ class Tokenizer {
   }
 
   /// As encode() above, but replaces the contents of `out` and reuses its capacity: a call
-  /// allocates nothing once `out` has held 2 * (text.size() + 2) ids. On a throw, `out` is
-  /// unchanged.
+  /// allocates nothing when out.capacity() >= 2 * (text.size() + 2), which the merge loop needs
+  /// for its scratch. On a throw, `out` is unchanged.
   void encode(std::string_view text, bool bos, bool eos, std::vector<std::int32_t>& out) const {
     // Byte fallback hard-codes id = byte + 3 (run.c); only a vocabulary without all 256 byte ids
     // can fail it, so only then is the text scanned first (to throw before touching `out`).
@@ -232,7 +232,7 @@ class Tokenizer {
   /// the Tokenizer (or forever, for a raw byte). Only `token` must be a valid id.
   std::string_view decode(std::int32_t prev_token, std::int32_t token) const {
     check_id(token, "decode");
-    std::string_view p = piece(token);
+    std::string_view p = piece_unchecked(token);
     // run.c: "following BOS (1) token, sentencepiece decoder strips any leading whitespace".
     if (prev_token == kBos && p.starts_with(' ')) p.remove_prefix(1);
     if (const int byte = detail::parse_byte_piece(p); byte >= 0) {
@@ -300,8 +300,8 @@ class Tokenizer {
     const std::string name = file.string();
     const std::vector<std::byte> bytes = to_bytes();
     std::unique_ptr<std::FILE, detail::FileCloser> f(std::fopen(name.c_str(), "wb"));
-    KVDECODE_CHECK(f != nullptr, "tokenizer.bin '", name, "': cannot open for writing: ",
-                   std::generic_category().message(errno));
+    KVDECODE_CHECK(f != nullptr, "tokenizer.bin '", name,
+                   "': cannot open for writing: ", std::generic_category().message(errno));
     const std::size_t written = std::fwrite(bytes.data(), 1, bytes.size(), f.get());
     const int close_result = std::fclose(f.release());
     KVDECODE_CHECK(written == bytes.size() && close_result == 0, "tokenizer.bin '", name,
@@ -346,8 +346,8 @@ class Tokenizer {
   static void check_vocab_size(std::int64_t vocab_size, const std::string& context) {
     KVDECODE_CHECK(vocab_size >= 3, context, ": vocab_size ", vocab_size,
                    " must be at least 3 (ids 0 <unk>, 1 BOS and 2 EOS)");
-    KVDECODE_CHECK(vocab_size <= std::numeric_limits<std::int32_t>::max(), context,
-                   ": vocab_size ", vocab_size, " does not fit the int32 token ids");
+    KVDECODE_CHECK(vocab_size <= std::numeric_limits<std::int32_t>::max(), context, ": vocab_size ",
+                   vocab_size, " does not fit the int32 token ids");
   }
 
   static std::string join(const std::vector<std::string>& pieces) {
@@ -386,10 +386,10 @@ class Tokenizer {
   /// The lowest id whose piece equals a ++ b, or -1 (run.c's sprintf("%s%s") + str_lookup).
   std::int32_t lookup(std::string_view a, std::string_view b) const {
     if (a.size() + b.size() > max_token_length_) return -1;  // longer than every piece
-    const auto it = std::lower_bound(
-        sorted_ids_.begin(), sorted_ids_.end(), 0, [&](std::int32_t id, int /*unused*/) {
-          return compare_with_concat(piece_unchecked(id), a, b) < 0;
-        });
+    const auto it = std::lower_bound(sorted_ids_.begin(), sorted_ids_.end(), 0,
+                                     [&](std::int32_t id, int /*unused*/) {
+                                       return compare_with_concat(piece_unchecked(id), a, b) < 0;
+                                     });
     if (it == sorted_ids_.end() || compare_with_concat(piece_unchecked(*it), a, b) != 0) return -1;
     return *it;
   }
@@ -412,9 +412,9 @@ class Tokenizer {
         for (std::size_t i = begin; i < end; ++i) {
           const int byte = static_cast<unsigned char>(text[i]);
           KVDECODE_CHECK(byte + kByteIdOffset < vocab_size(), "Tokenizer::encode: byte ", byte,
-                         " at text offset ", i, " is not in a piece and needs the byte-fallback id ",
-                         byte + kByteIdOffset, " (= byte + 3, as in run.c), but vocab_size is ",
-                         vocab_size());
+                         " at text offset ", i,
+                         " is not in a piece and needs the byte-fallback id ", byte + kByteIdOffset,
+                         " (= byte + 3, as in run.c), but vocab_size is ", vocab_size());
         }
       }
       begin = end;
@@ -431,7 +431,7 @@ class Tokenizer {
     if (n < 2) return;
     const std::size_t n0 = n;
     out.resize(2 * n0 - 1);
-    std::int32_t* tokens = out.data();        // [n]: the tokens so far
+    std::int32_t* tokens = out.data();         // [n]: the tokens so far
     std::int32_t* pair_ids = out.data() + n0;  // [n - 1]: merge of (tokens[i], tokens[i+1]) or -1
     auto pair_id = [&](std::size_t i) {
       return lookup(piece_unchecked(tokens[i]), piece_unchecked(tokens[i + 1]));
@@ -450,7 +450,8 @@ class Tokenizer {
       if (best == n) break;
       tokens[best] = pair_ids[best];
       std::copy(tokens + best + 2, tokens + n, tokens + best + 1);
-      std::copy(pair_ids + best + 2, pair_ids + n - 1, pair_ids + best + 1);
+      // Pair best + 1 (the old right neighbour) disappears; the pairs after it move left.
+      if (best + 2 < n - 1) std::copy(pair_ids + best + 2, pair_ids + n - 1, pair_ids + best + 1);
       --n;
       if (best > 0) pair_ids[best - 1] = pair_id(best - 1);
       if (best + 1 < n) pair_ids[best] = pair_id(best);
@@ -458,9 +459,12 @@ class Tokenizer {
     out.resize(n);
   }
 
-  std::string piece_bytes_;           // [sum of piece lengths]: every piece, in id order
-  std::vector<std::size_t> offsets_;  // [vocab_size + 1]: piece id spans [offsets_[id], offsets_[id+1])
-  std::vector<float> scores_;         // [vocab_size]: merge score per id
+  // Pieces live in one string and are found through offsets (not views), so copies and moves
+  // of a Tokenizer stay valid without fixing up pointers.
+  std::string piece_bytes_;  // [sum of piece lengths]: every piece, in id order
+  // [vocab_size + 1]: piece `id` is piece_bytes_[offsets_[id], offsets_[id + 1])
+  std::vector<std::size_t> offsets_;
+  std::vector<float> scores_;             // [vocab_size]: merge score per id
   std::vector<std::int32_t> sorted_ids_;  // [vocab_size]: ids ordered by piece bytes, then id
   std::uint32_t max_token_length_ = 0;
   std::int32_t space_id_ = -1;  // id of " ", the dummy prefix
