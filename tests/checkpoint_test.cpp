@@ -407,7 +407,7 @@ TEST(CheckpointTest, RoundTripIsBitIdenticalUnsharedMqa) {
   EXPECT_EQ(loaded.classifier(), loaded.wcls.data());
   expect_bit_identical(loaded, w);
   // wcls sits after the freq_cis block, at the offset the format gives.
-  const TensorAt& wcls = v0_layout(w.config).back();
+  const TensorAt wcls = v0_layout(w.config).back();
   ASSERT_EQ(wcls.name, "wcls");
   EXPECT_EQ(wcls.offset + 4 * wcls.elements, raw.size());
   EXPECT_EQ(bits(f32_at(raw, wcls.offset)), bits(w.wcls[0]));
