@@ -47,7 +47,7 @@ TEST(ContiguousStoreTest, MemoryBytesFollowsTheFormula) {
 TEST(ContiguousStoreTest, EachKvHeadIsOneDenseBlock) {
   const ModelConfig cfg = small_config(4, 2, 48);
   ContiguousStore<float> s(cfg, 10);
-  s.begin_append(3);
+  s.begin_append(test_tokens(0, 3));
   for (std::size_t l = 0; l < 2; ++l)
     for (std::size_t i = 0; i < 3; ++i) {
       const auto k = test_row<float>(l, i, 32, false);
@@ -63,9 +63,9 @@ TEST(ContiguousStoreTest, EachKvHeadIsOneDenseBlock) {
     EXPECT_EQ(b.keys + 16, s.key(1, 1, 1).data());
   });
   EXPECT_EQ(blocks, 1u);
-  EXPECT_THROW(s.begin_append(8), Error);
-  s.begin_append(2);
-  EXPECT_THROW(s.begin_append(1), Error);  // one append at a time
+  EXPECT_THROW(s.begin_append(test_tokens(0, 8)), Error);
+  s.begin_append(test_tokens(0, 2));
+  EXPECT_THROW(s.begin_append(test_tokens(0, 1)), Error);  // one append at a time
   s.cancel_append();
 }
 

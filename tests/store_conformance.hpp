@@ -42,6 +42,13 @@ std::vector<T> test_row(std::size_t layer, std::size_t index, std::size_t kv_dim
   return row;
 }
 
+/// The token ids the suite appends: position p holds token (7p + 3) mod 50.
+inline std::vector<std::int32_t> test_tokens(std::size_t first, std::size_t n) {
+  std::vector<std::int32_t> t(n);
+  for (std::size_t i = 0; i < n; ++i) t[i] = static_cast<std::int32_t>((7 * (first + i) + 3) % 50);
+  return t;
+}
+
 /// Every resident (cache index → key row, value row) of one (layer, kv head), via the concept.
 template <class Store>
 struct Gathered {
@@ -74,7 +81,7 @@ class StoreConformance : public ::testing::Test {
 
   void append_rows(Store& s, std::size_t n) {
     const std::size_t first = s.size();
-    s.begin_append(n);
+    s.begin_append(test_tokens(first, n));
     for (std::size_t l = 0; l < s.n_layers(); ++l)
       for (std::size_t i = 0; i < n; ++i) {
         const auto k = test_row<T>(l, first + i, kv_dim(), false);
@@ -86,6 +93,10 @@ class StoreConformance : public ::testing::Test {
 
   // The rows a store returns are the rows written (exactly, or within the store's bound).
   void expect_rows(const Store& s, std::size_t end) {
+    if (end == s.size()) {
+      const auto t = s.tokens();
+      ASSERT_EQ(std::vector<std::int32_t>(t.begin(), t.end()), test_tokens(0, end));
+    }
     for (std::size_t l = 0; l < s.n_layers(); ++l)
       for (std::size_t h = 0; h < s.n_kv_heads(); ++h) {
         const Gathered<Store> g = gather(s, l, h, end);
@@ -148,7 +159,7 @@ TYPED_TEST_P(StoreConformance, PendingRowsAreReadableBeforeCommit) {
   auto holder = TestFixture::Traits::make(this->cfg_, 40);
   auto& s = holder->store();
   this->append_rows(s, 5);
-  s.begin_append(3);
+  s.begin_append(test_tokens(5, 3));
   for (std::size_t l = 0; l < s.n_layers(); ++l)
     for (std::size_t i = 0; i < 3; ++i) {
       const auto k = test_row<typename TypeParam::Scalar>(l, 5 + i, this->kv_dim(), false);
@@ -167,7 +178,7 @@ TYPED_TEST_P(StoreConformance, CancelLeavesTheStoreAsItWas) {
   auto& s = holder->store();
   this->append_rows(s, 6);
   const std::size_t bytes = s.memory_bytes();
-  s.begin_append(4);
+  s.begin_append(test_tokens(0, 4));
   const auto junk = std::vector<typename TypeParam::Scalar>(this->kv_dim(), 99);
   for (std::size_t l = 0; l < s.n_layers(); ++l)
     for (std::size_t i = 0; i < 4; ++i) s.write(l, i, junk.data(), junk.data());
@@ -184,7 +195,7 @@ TYPED_TEST_P(StoreConformance, OverflowThrowsAndChangesNothing) {
   auto holder = TestFixture::Traits::make(this->cfg_, 40);
   auto& s = holder->store();
   this->append_rows(s, 10);
-  EXPECT_THROW(s.begin_append(s.capacity() - s.size() + 1), Error);
+  EXPECT_THROW(s.begin_append(test_tokens(10, s.capacity() - s.size() + 1)), Error);
   EXPECT_EQ(s.size(), 10u);
   EXPECT_EQ(s.pending(), 0u);
   this->expect_rows(s, 10);

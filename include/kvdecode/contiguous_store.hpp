@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
 #include <span>
 
 #include "kvdecode/aligned_buffer.hpp"
@@ -36,6 +37,7 @@ class ContiguousStore {
     cfg.validate();
     keys_ = AlignedBuffer<T>(n_layers_ * n_kv_heads_ * capacity_ * head_size_);
     values_ = AlignedBuffer<T>(keys_.size());
+    tokens_ = AlignedBuffer<std::int32_t>(capacity_);
   }
 
   std::size_t size() const { return size_; }
@@ -49,13 +51,18 @@ class ContiguousStore {
   std::size_t rope_position(std::size_t index) const { return index; }
   std::size_t block_scratch_size() const { return 0; }
 
-  void begin_append(std::size_t n) {
+  void begin_append(std::span<const std::int32_t> tokens) {
+    const std::size_t n = tokens.size();
     KVDECODE_CHECK(pending_ == 0, "ContiguousStore::begin_append: ", pending_,
                    " positions are already pending");
     KVDECODE_CHECK(n <= capacity_ - size_, "ContiguousStore: appending ", n,
                    " positions to ", size_, " would exceed the capacity of ", capacity_);
+    std::copy(tokens.begin(), tokens.end(), tokens_.data() + size_);
     pending_ = n;
   }
+
+  /// The token ids of the committed positions.
+  std::span<const std::int32_t> tokens() const { return {tokens_.data(), size_}; }
 
   /// Stores pending position i of a layer; k and v are [kv_dim] rows, heads one after another.
   void write(std::size_t layer, std::size_t i, const T* k, const T* v) {
@@ -106,6 +113,7 @@ class ContiguousStore {
     KVDECODE_CHECK(other.keys_.size() == keys_.size(), "ContiguousStore::copy_from: shapes differ");
     keys_.copy_from(other.keys_);
     values_.copy_from(other.values_);
+    tokens_.copy_from(other.tokens_);
     size_ = other.size_;
     pending_ = other.pending_;
   }
@@ -123,6 +131,7 @@ class ContiguousStore {
   std::size_t pending_ = 0;
   AlignedBuffer<T> keys_;    // [n_layers][n_kv_heads][capacity][head_size]
   AlignedBuffer<T> values_;  // [n_layers][n_kv_heads][capacity][head_size]
+  AlignedBuffer<std::int32_t> tokens_;  // [capacity] token id of each position
 };
 
 static_assert(KvStore<ContiguousStore<float>>);

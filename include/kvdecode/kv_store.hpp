@@ -4,6 +4,7 @@
 
 #include <concepts>
 #include <cstddef>
+#include <cstdint>
 #include <span>
 
 namespace kvdecode {
@@ -30,8 +31,10 @@ struct KvBlockSinkArchetype {
 
 /// What attention needs from a store.
 ///
-/// Appending is a transaction: begin_append(n) makes room for n pending positions (throwing
-/// kvdecode::Error and changing nothing when it cannot), write() fills pending position i of a
+/// Appending is a transaction: begin_append(tokens) makes room for tokens.size() pending
+/// positions (throwing kvdecode::Error and changing nothing when it cannot) and tells the store
+/// which token ids they hold (a prefix cache keys blocks by them, a saved cache records them);
+/// write() fills pending position i of a
 /// layer, for_each_block() may already read written pending rows (a prefill chunk attends to
 /// itself), and commit_append() makes them part of the sequence; cancel_append() drops them,
 /// leaving the store as it was before begin_append.
@@ -42,6 +45,7 @@ struct KvBlockSinkArchetype {
 template <class S>
 concept KvStore =
     requires(S& s, const S& cs, std::size_t i, const typename S::Scalar* row,
+             std::span<const std::int32_t> tokens,
              std::span<typename S::Scalar> scratch,
              detail::KvBlockSinkArchetype<typename S::Scalar> sink) {
       typename S::Scalar;
@@ -55,7 +59,8 @@ concept KvStore =
       { cs.rope_position(i) } -> std::same_as<std::size_t>;
       /// Elements of caller scratch for_each_block needs (0 when it reads in place).
       { cs.block_scratch_size() } -> std::same_as<std::size_t>;
-      s.begin_append(i);
+      s.begin_append(tokens);
+      { cs.tokens() } -> std::same_as<std::span<const std::int32_t>>;  // committed token ids
       s.write(i, i, row, row);  // (layer, pending index, k [kv_dim], v [kv_dim])
       s.commit_append();
       { s.cancel_append() } noexcept;

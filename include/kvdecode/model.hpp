@@ -85,7 +85,7 @@ class Model {
                                                                      static_cast<std::size_t>(cfg.dim),
                    "Model: the Activations were built for another config");
 
-    cache.begin_append(tokens.size());  // throws, changing nothing, when the cache is full
+    cache.begin_append(tokens);  // throws, changing nothing, when the cache is full
     try {
       for (std::size_t done = 0; done < tokens.size();) {
         const std::size_t n = std::min(act.max_tokens, tokens.size() - done);
