@@ -1,0 +1,230 @@
+// The paged store against the contiguous one, on the built-in generator's shape (dim 256, 4
+// layers, 8/4 heads, head_size 32, seq_len 1024):
+//   BM_KvMemoryRandomLengths  KV bytes allocated vs used for 64 sequences of random lengths:
+//                             contiguous stores reserved to seq_len (the baseline) vs paged;
+//   BM_TimeToFirstToken       a 256-token system prompt + 32-token question, with the system
+//                             prompt in the prefix cache (cached:1) or not (cached:0);
+//   BM_Decode                 one decode step at B = 1 at a fixed context, contiguous (the
+//                             baseline) vs paged with 16-token blocks, in one run of adjacent
+//                             blocks or fragmented into single blocks.
+// Every store is checked against the contiguous store's logits before it is timed.
+#include <benchmark/benchmark.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "kvdecode/kvdecode.hpp"
+
+namespace {
+
+using namespace kvdecode;
+
+ModelConfig bench_config() {
+  ModelConfig c;
+  c.dim = 256;
+  c.hidden_dim = 768;
+  c.n_layers = 4;
+  c.n_heads = 8;
+  c.n_kv_heads = 4;
+  c.vocab_size = 512;
+  c.seq_len = 1024;
+  return c;
+}
+
+const Model<float>& bench_model() {
+  static const Model<float> model(random_weights<float>(bench_config(), 2026));
+  return model;
+}
+
+std::vector<std::int32_t> bench_tokens(std::size_t n, std::uint64_t seed) {
+  detail::SplitMix64 rng(seed);
+  std::vector<std::int32_t> t(n);
+  for (auto& id : t) id = static_cast<std::int32_t>(rng.next() % 512);
+  return t;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Memory: what each design allocates for the same workload. The timed part is the paged
+// allocation of every sequence's blocks (begin_append + commit, no K/V computed).
+
+void BM_KvMemoryRandomLengths(benchmark::State& state) {
+  const ModelConfig cfg = bench_config();
+  constexpr std::size_t kSequences = 64;
+  const auto block_size = static_cast<std::size_t>(state.range(0));
+  detail::SplitMix64 rng(7);
+  std::vector<std::size_t> lengths(kSequences);
+  std::size_t used_tokens = 0;
+  for (auto& n : lengths) {
+    n = 1 + static_cast<std::size_t>(rng.next() % static_cast<std::uint64_t>(cfg.seq_len));
+    used_tokens += n;
+  }
+  const std::size_t bytes_per_token =
+      2 * static_cast<std::size_t>(cfg.n_layers * cfg.kv_dim()) * sizeof(float);
+  // Contiguous: every sequence reserves seq_len positions (one store's bytes × B).
+  const std::size_t contiguous = kSequences * ContiguousStore<float>(cfg).memory_bytes();
+  const std::size_t n_blocks = kSequences * (static_cast<std::size_t>(cfg.seq_len) / block_size);
+  // Memory only: no prefix cache, so released blocks go straight back to the free list.
+  BlockPool<float> pool(cfg, n_blocks, block_size, BlockPoolOptions{0, false});
+  const std::vector<std::int32_t> tokens = bench_tokens(static_cast<std::size_t>(cfg.seq_len), 1);
+  std::size_t paged = 0;
+  for (auto _ : state) {
+    std::vector<PagedStore<float>> seqs;
+    seqs.reserve(kSequences);
+    for (const std::size_t n : lengths) {
+      seqs.emplace_back(pool);
+      seqs.back().begin_append(std::span<const std::int32_t>(tokens).first(n));
+      seqs.back().commit_append();
+    }
+    paged = pool.n_held() * pool.block_bytes();
+    benchmark::DoNotOptimize(paged);
+  }
+  const double used = static_cast<double>(used_tokens * bytes_per_token);
+  state.counters["used_MiB"] = used / (1 << 20);
+  state.counters["contiguous_MiB"] = static_cast<double>(contiguous) / (1 << 20);
+  state.counters["paged_MiB"] = static_cast<double>(paged) / (1 << 20);
+  state.counters["contiguous_waste%"] = 100 * (1 - used / static_cast<double>(contiguous));
+  state.counters["paged_waste%"] = 100 * (1 - used / static_cast<double>(paged));
+  // ≤ 1 by construction: only a sequence's last block is partly empty.
+  state.counters["paged_waste_blocks/seq"] =
+      (static_cast<double>(paged) - used) / static_cast<double>(pool.block_bytes()) / kSequences;
+  state.SetItemsProcessed(static_cast<std::int64_t>(state.iterations() * kSequences));
+}
+BENCHMARK(BM_KvMemoryRandomLengths)->Arg(16)->Arg(64)->Unit(benchmark::kMicrosecond);
+
+// ---------------------------------------------------------------------------------------------
+// Time to first token of a request whose first 256 tokens are a shared system prompt.
+
+void BM_TimeToFirstToken(benchmark::State& state) {
+  const bool cached = state.range(0) != 0;
+  const ModelConfig cfg = bench_config();
+  const Model<float>& model = bench_model();
+  const std::vector<std::int32_t> system = bench_tokens(256, 3);
+  std::vector<std::int32_t> prompt = system;
+  for (const auto t : bench_tokens(32, 4)) prompt.push_back(t);
+  BlockPool<float> pool(cfg, 64, 16, BlockPoolOptions{0, cached});
+  Activations<float> act(cfg, 128);
+  if (cached) {  // an earlier request with the same system prompt and another question
+    std::vector<std::int32_t> earlier = system;
+    for (const auto t : bench_tokens(20, 5)) earlier.push_back(t);
+    PagedStore<float> s = PagedStore<float>::open(pool, earlier);
+    model.prefill(earlier, s, act);
+  }
+  {  // check: the first token's logits match a fresh contiguous run within f32
+    ContiguousStore<float> ref(cfg);
+    const auto want = model.prefill(prompt, ref, act);
+    const std::vector<float> expect(want.begin(), want.end());
+    PagedStore<float> s = PagedStore<float>::open(pool, prompt);
+    const auto got = model.prefill(std::span<const std::int32_t>(prompt).subspan(s.size()), s, act);
+    for (std::size_t i = 0; i < expect.size(); ++i)
+      if (std::abs(got[i] - expect[i]) > 1e-4f * (1 + std::abs(expect[i])))
+        throw std::runtime_error("paged TTFT logits differ from the contiguous store's");
+  }
+  std::size_t computed = 0;
+  std::uint64_t round = 0;
+  for (auto _ : state) {
+    // A new question each time after the same system prompt, so only the system prompt can hit.
+    state.PauseTiming();
+    const auto question = bench_tokens(32, 1000 + round++);
+    std::copy(question.begin(), question.end(), prompt.begin() + 256);
+    state.ResumeTiming();
+    PagedStore<float> s = PagedStore<float>::open(pool, prompt);
+    computed = prompt.size() - s.size();
+    const auto logits =
+        model.prefill(std::span<const std::int32_t>(prompt).subspan(s.size()), s, act);
+    benchmark::DoNotOptimize(logits.data());
+  }
+  state.counters["prefilled_tokens"] = static_cast<double>(computed);
+  state.counters["hit_blocks/request"] =
+      static_cast<double>(pool.stats().hits) / static_cast<double>(pool.stats().requests);
+  state.SetItemsProcessed(static_cast<std::int64_t>(state.iterations()));
+}
+BENCHMARK(BM_TimeToFirstToken)->ArgName("cached")->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond);
+
+// ---------------------------------------------------------------------------------------------
+// Decode at B = 1: the paging cost is in attention (one KvBlock per 16 positions instead of one
+// per 256-row tile) and in write (a table lookup per row).
+
+enum class Layout { kContiguous, kPagedOneRun, kPagedFragmented };
+
+/// Runs `prompt` into a store of the layout. kPagedOneRun: a fresh pool, so the prefill takes
+/// consecutive blocks and attention reads them as one run (the common case after a prefill).
+/// kPagedFragmented: another sequence takes a block between each two of this one's (as
+/// round-robin decoding of several sequences does), so attention gets one 16-row KvBlock each.
+struct DecodeSetup {
+  DecodeSetup(Layout layout, std::span<const std::int32_t> prompt, Activations<float>& act)
+      : contiguous(bench_config()), pool(bench_config(), 2 * 1024 / 16, 16), paged(pool) {
+    const Model<float>& model = bench_model();
+    if (layout == Layout::kContiguous) {
+      model.prefill(prompt, contiguous, act);
+      return;
+    }
+    for (std::size_t p = 0; p < prompt.size(); p += 16) {
+      model.prefill(prompt.subspan(p, std::min<std::size_t>(16, prompt.size() - p)), paged, act);
+      if (layout == Layout::kPagedFragmented) {
+        fillers.emplace_back(pool);
+        model.decode(1, fillers.back(), act);
+      }
+    }
+  }
+  template <class F>
+  void with_store(Layout layout, F&& f) {
+    if (layout == Layout::kContiguous) {
+      f(contiguous);
+    } else {
+      f(paged);
+    }
+  }
+  ContiguousStore<float> contiguous;
+  BlockPool<float> pool;
+  PagedStore<float> paged;
+  std::vector<PagedStore<float>> fillers;
+};
+
+void BM_Decode(benchmark::State& state) {
+  const auto layout = static_cast<Layout>(state.range(0));
+  const auto context = static_cast<std::size_t>(state.range(1));
+  const ModelConfig cfg = bench_config();
+  const Model<float>& model = bench_model();
+  const std::vector<std::int32_t> tokens = bench_tokens(context + 1, 6);
+  const std::span<const std::int32_t> prompt = std::span<const std::int32_t>(tokens).first(context);
+  Activations<float> prefill_act(cfg, 128), act(cfg);
+  DecodeSetup setup(layout, prompt, prefill_act);
+  {  // check against the contiguous store
+    ContiguousStore<float> ref(cfg);
+    model.prefill(prompt, ref, prefill_act);
+    const auto want = model.decode(tokens[context], ref, act);
+    const std::vector<float> expect(want.begin(), want.end());
+    setup.with_store(layout, [&](auto& store) {
+      const auto got = model.decode(tokens[context], store, act);
+      for (std::size_t i = 0; i < expect.size(); ++i)
+        if (std::abs(got[i] - expect[i]) > 1e-4f * (1 + std::abs(expect[i])))
+          throw std::runtime_error("decode logits differ from the contiguous store's");
+      store.truncate(context);
+    });
+  }
+  setup.with_store(layout, [&](auto& store) {
+    for (auto _ : state) {
+      const auto logits = model.decode(tokens[context], store, act);
+      benchmark::DoNotOptimize(logits.data());
+      store.truncate(context);  // the same context every step
+    }
+  });
+  state.SetItemsProcessed(static_cast<std::int64_t>(state.iterations()));
+  state.SetBytesProcessed(static_cast<std::int64_t>(
+      state.iterations() * 2 * context * static_cast<std::size_t>(cfg.n_layers * cfg.kv_dim()) *
+      sizeof(float)));
+}
+// Args: layout (0 contiguous = the baseline, 1 paged one run, 2 paged fragmented), context.
+BENCHMARK(BM_Decode)
+    ->ArgNames({"layout", "context"})
+    ->ArgsProduct({{0, 1, 2}, {500, 1000}})
+    ->Unit(benchmark::kMicrosecond);
+
+}  // namespace
+
+BENCHMARK_MAIN();

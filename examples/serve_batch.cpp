@@ -1,0 +1,269 @@
+// serve_batch: several requests that share a system prompt, served from one BlockPool. Each
+// request opens a sequence holding the longest cached prefix of its prompt, prefills only the
+// rest, then all requests decode one step at a time, round-robin. Prints per-request time to
+// first token and prefix hits, and aggregate tokens/s. Runs the built-in random model.
+//
+//   serve_batch [--requests N] [--system N] [--question N] [-n N] [--block-size N]
+//               [--blocks N] [--no-prefix-cache] [--temperature T] [--seed S] [--help]
+#include <algorithm>
+#include <charconv>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <kvdecode/kvdecode.hpp>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace {
+
+constexpr const char* kUsage = R"(usage: serve_batch [options]
+
+Serves several requests sharing a system prompt through one paged KV pool with a prefix cache,
+on a small built-in model with deterministic random weights (its tokens are noise, the timings
+and cache counters are real).
+
+  --requests N        number of requests (default 8)
+  --system N          tokens of the shared system prompt (default 256)
+  --question N        tokens of each request's own question, ±50 % (default 32)
+  -n N                tokens to generate per request (default 64)
+  --block-size N      positions per KV block (default 16)
+  --blocks N          blocks in the pool (default 256)
+  --no-prefix-cache   compute every prompt in full
+  --temperature T     0 = greedy (default 0.8)
+  --seed S            seed of the prompts and the samplers, > 0 (default 7)
+  --help              this text
+)";
+
+struct Options {
+  std::size_t requests = 8;
+  std::size_t system = 256;
+  std::size_t question = 32;
+  std::size_t n = 64;
+  std::size_t block_size = 16;
+  std::size_t blocks = 256;
+  bool prefix_cache = true;
+  double temperature = 0.8;
+  std::uint64_t seed = 7;
+};
+
+struct UsageError {
+  std::string message;
+};
+
+template <class N>
+N parse_number(std::string_view flag, std::string_view text) {
+  N value{};
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (ec != std::errc() || end != text.data() + text.size())
+    throw UsageError{std::string(flag) + " expects a number, got '" + std::string(text) + "'"};
+  return value;
+}
+
+Options parse(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string_view a = argv[i];
+    const auto value = [&]() -> std::string_view {
+      if (i + 1 >= argc) throw UsageError{std::string(a) + " needs a value"};
+      return argv[++i];
+    };
+    if (a == "--help" || a == "-h") {
+      std::fputs(kUsage, stdout);
+      std::exit(0);
+    } else if (a == "--requests") {
+      o.requests = parse_number<std::size_t>(a, value());
+    } else if (a == "--system") {
+      o.system = parse_number<std::size_t>(a, value());
+    } else if (a == "--question") {
+      o.question = parse_number<std::size_t>(a, value());
+    } else if (a == "-n") {
+      o.n = parse_number<std::size_t>(a, value());
+    } else if (a == "--block-size") {
+      o.block_size = parse_number<std::size_t>(a, value());
+    } else if (a == "--blocks") {
+      o.blocks = parse_number<std::size_t>(a, value());
+    } else if (a == "--no-prefix-cache") {
+      o.prefix_cache = false;
+    } else if (a == "--temperature") {
+      o.temperature = parse_number<double>(a, value());
+    } else if (a == "--seed") {
+      o.seed = parse_number<std::uint64_t>(a, value());
+    } else {
+      throw UsageError{"unknown argument '" + std::string(a) + "'"};
+    }
+  }
+  if (o.requests == 0) throw UsageError{"--requests must be >= 1"};
+  if (o.question == 0) throw UsageError{"--question must be >= 1"};
+  if (o.n == 0) throw UsageError{"-n must be >= 1"};
+  if (o.block_size == 0) throw UsageError{"--block-size must be >= 1"};
+  if (o.blocks == 0) throw UsageError{"--blocks must be >= 1"};
+  if (o.temperature < 0) throw UsageError{"--temperature must be >= 0"};
+  if (o.seed == 0) throw UsageError{"--seed must be > 0"};
+  return o;
+}
+
+using Clock = std::chrono::steady_clock;
+double ms_since(Clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+}
+
+/// The built-in generator's model shape (examples/generate.cpp).
+kvdecode::ModelConfig builtin_config() {
+  kvdecode::ModelConfig c;
+  c.dim = 256;
+  c.hidden_dim = 768;
+  c.n_layers = 4;
+  c.n_heads = 8;
+  c.n_kv_heads = 4;
+  c.vocab_size = 512;
+  c.seq_len = 1024;
+  return c;
+}
+
+std::vector<std::int32_t> random_ids(std::size_t n, std::uint64_t seed) {
+  kvdecode::detail::SplitMix64 rng(seed);
+  std::vector<std::int32_t> t(n);
+  for (auto& id : t) id = static_cast<std::int32_t>(3 + rng.next() % 509);  // past BOS/EOS
+  return t;
+}
+
+struct Request {
+  std::size_t id = 0;
+  std::vector<std::int32_t> prompt;
+  kvdecode::PagedStore<float> seq;
+  std::optional<kvdecode::Sampler> sampler;  // set when the request is built
+  std::int32_t next = 0;                     // sampled, not yet fed back
+  std::size_t generated = 0;
+  std::uint64_t hit_blocks = 0;
+  std::size_t prefilled = 0;
+  double ttft_ms = 0;
+  bool done = false;
+};
+
+/// One decode step for every request of the batch: feeds each its last sampled token and
+/// samples the next. One sequence at a time for now; a batched Model entry point (issue #6,
+/// item 4) replaces this loop with one call, the sequences being PagedStores on one pool.
+void decode_step(const kvdecode::Model<float>& model, std::vector<Request*>& batch,
+                 kvdecode::Activations<float>& act, std::size_t max_new) {
+  for (Request* r : batch) {
+    const auto logits = model.decode(r->next, r->seq, act);
+    r->next = r->sampler->sample(logits);
+    if (++r->generated == max_new) {
+      r->done = true;
+      r->seq.release();  // its full blocks stay in the prefix cache
+    }
+  }
+  std::erase_if(batch, [](const Request* r) { return r->done; });
+}
+
+int run(const Options& o) {
+  using namespace kvdecode;
+  const ModelConfig cfg = builtin_config();
+  const Model<float> model(random_weights<float>(cfg, 2026));
+  BlockPool<float> pool(cfg, o.blocks, o.block_size, BlockPoolOptions{0, o.prefix_cache});
+  Activations<float> prefill_act(cfg, 128), decode_act(cfg);
+
+  const std::vector<std::int32_t> system = random_ids(o.system, o.seed);
+  std::vector<Request> requests(o.requests);
+  detail::SplitMix64 rng(o.seed + 1);
+  for (std::size_t i = 0; i < o.requests; ++i) {
+    Request& r = requests[i];
+    r.id = i;
+    const std::size_t q = std::max<std::size_t>(1, o.question / 2 + rng.next() % (o.question + 1));
+    r.prompt = system;
+    for (const auto t : random_ids(q, o.seed * 1000 + i)) r.prompt.push_back(t);
+    KVDECODE_CHECK(r.prompt.size() + o.n <= static_cast<std::size_t>(cfg.seq_len),
+                   "serve_batch: request ", i, " needs ", r.prompt.size() + o.n,
+                   " positions, the model holds ", cfg.seq_len);
+    r.sampler.emplace(cfg.vocab_size, SamplerOptions{o.temperature, 0.9, 0, o.seed + i});
+  }
+
+  // Admission: every request prefills in arrival order; TTFT is its own open + prefill + the
+  // first sample (the queue before it is not counted).
+  const Clock::time_point start = Clock::now();
+  std::vector<Request*> batch;
+  for (Request& r : requests) {
+    const Clock::time_point t0 = Clock::now();
+    const std::uint64_t hits_before = pool.stats().hits;
+    r.seq = PagedStore<float>::open(pool, r.prompt);
+    r.hit_blocks = pool.stats().hits - hits_before;
+    const std::span<const std::int32_t> rest =
+        std::span<const std::int32_t>(r.prompt).subspan(r.seq.size());
+    r.prefilled = rest.size();
+    r.next = r.sampler->sample(model.prefill(rest, r.seq, prefill_act));
+    r.generated = 1;
+    r.ttft_ms = ms_since(t0);
+    if (r.generated == o.n) {
+      r.done = true;
+      r.seq.release();
+    } else {
+      batch.push_back(&r);
+    }
+  }
+  const double prefill_ms = ms_since(start);
+
+  std::size_t peak_held = pool.n_held();
+  const Clock::time_point decode_start = Clock::now();
+  while (!batch.empty()) {
+    decode_step(model, batch, decode_act, o.n);
+    peak_held = std::max(peak_held, pool.n_held());
+  }
+  const double decode_ms = ms_since(decode_start);
+  const double total_ms = ms_since(start);
+
+  std::printf("%-8s %8s %10s %12s %10s %10s %10s\n", "request", "prompt", "hit_blocks",
+              "tokens_saved", "prefilled", "ttft_ms", "generated");
+  std::size_t generated = 0, prompt_tokens = 0;
+  for (const Request& r : requests) {
+    std::printf("%-8zu %8zu %10llu %12zu %10zu %10.2f %10zu\n", r.id, r.prompt.size(),
+                static_cast<unsigned long long>(r.hit_blocks), r.prompt.size() - r.prefilled,
+                r.prefilled, r.ttft_ms, r.generated);
+    generated += r.generated;
+    prompt_tokens += r.prompt.size();
+  }
+  const PrefixCacheStats& st = pool.stats();
+  const double mib = 1.0 / (1 << 20);
+  const std::size_t contiguous_bytes = o.requests * ContiguousStore<float>(cfg).memory_bytes();
+  std::printf(
+      "\nprefix cache       %llu hits, %llu misses, %llu evictions, %llu tokens saved "
+      "(%s)\n",
+      static_cast<unsigned long long>(st.hits), static_cast<unsigned long long>(st.misses),
+      static_cast<unsigned long long>(st.evictions),
+      static_cast<unsigned long long>(st.tokens_saved), o.prefix_cache ? "on" : "off");
+  std::printf("prefill            %zu prompt tokens, %.2f ms for all requests\n", prompt_tokens,
+              prefill_ms);
+  std::printf(
+      "decode             %.1f tok/s aggregate (%zu tokens, round-robin, %.2f ms)\n",
+      decode_ms > 0 ? 1e3 * static_cast<double>(generated - requests.size()) / decode_ms : 0,
+      generated - requests.size(), decode_ms);
+  std::printf("overall            %.1f generated tok/s (%zu tokens in %.2f ms)\n",
+              1e3 * static_cast<double>(generated) / total_ms, generated, total_ms);
+  std::printf(
+      "KV memory          peak %zu of %zu blocks held = %.2f MiB; contiguous stores for "
+      "%zu requests reserve %.2f MiB\n",
+      peak_held, pool.n_blocks(), static_cast<double>(peak_held * pool.block_bytes()) * mib,
+      o.requests, static_cast<double>(contiguous_bytes) * mib);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options options;
+  try {
+    options = parse(argc, argv);
+  } catch (const UsageError& e) {
+    std::fprintf(stderr, "serve_batch: %s\n\n%s", e.message.c_str(), kUsage);
+    return 2;
+  }
+  try {
+    return run(options);
+  } catch (const kvdecode::Error& e) {
+    std::fprintf(stderr, "serve_batch: %s\n", e.what());
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "serve_batch: error: %s\n", e.what());
+  }
+  return 1;
+}
