@@ -2,11 +2,14 @@
 // construction so that decode allocates nothing. One per thread of decoding; the Model is shared.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 
 #include "kvdecode/aligned_buffer.hpp"
 #include "kvdecode/attention.hpp"
+#include "kvdecode/detail/kernels.hpp"
 #include "kvdecode/model_config.hpp"
+#include "kvdecode/thread_pool.hpp"
 #include "kvdecode/work_counters.hpp"
 
 namespace kvdecode {
@@ -15,10 +18,14 @@ template <class T>
 struct Activations {
   Activations() = default;
   /// Scratch for chunks of up to max_tokens tokens (prefill splits longer prompts into chunks);
-  /// store_scratch is the store's block_scratch_size() (0 for ContiguousStore).
+  /// store_scratch is the store's block_scratch_size() (0 for ContiguousStore). thread_pool,
+  /// when given, runs the projections and attention of every step on all its threads; the
+  /// caller keeps it alive as long as these Activations are used (nullptr = one thread).
   explicit Activations(const ModelConfig& cfg, std::size_t max_chunk = 1,
-                       std::size_t store_scratch = 0)
-      : max_tokens(max_chunk == 0 ? 1 : max_chunk) {
+                       std::size_t store_scratch = 0, ThreadPool* thread_pool = nullptr)
+      : max_tokens(max_chunk == 0 ? 1 : max_chunk),
+        pool(thread_pool),
+        n_threads(thread_pool == nullptr ? 1 : thread_pool->size()) {
     cfg.validate();
     const std::size_t n = this->max_tokens;
     const auto dim = static_cast<std::size_t>(cfg.dim);
@@ -36,7 +43,12 @@ struct Activations {
     rope_cos = AlignedBuffer<T>(n * half);
     rope_sin = AlignedBuffer<T>(n * half);
     logits = AlignedBuffer<T>(static_cast<std::size_t>(cfg.vocab_size));
-    attention = AttentionScratch<T>(cfg, n, store_scratch);
+    attention = AttentionScratch<T>(cfg, n, store_scratch, n_threads);
+    if (n > 1) {  // prefill with bf16 weights widens panels of weight rows; decode never does
+      panel_stride =
+          detail::kPanelRows * static_cast<std::size_t>(std::max(cfg.dim, cfg.hidden_dim));
+      panels = AlignedBuffer<T>(n_threads * panel_stride);
+    }
   }
 
   std::size_t max_tokens = 1;
@@ -52,6 +64,12 @@ struct Activations {
   AlignedBuffer<T> rope_sin;  // [max_tokens][head_size/2]
   AlignedBuffer<T> logits;    // [vocab_size]              logits of the last token
   AttentionScratch<T> attention;
+  std::size_t panel_stride = 0;  // kPanelRows × max(dim, hidden_dim) when max_tokens > 1, else 0
+  AlignedBuffer<T> panels;       // [n_threads][kPanelRows][max(dim, hidden_dim)] widened weights
+  /// The threads every step runs on (not owned); nullptr runs everything on the caller.
+  ThreadPool* pool = nullptr;
+  /// Threads the per-thread scratch was sized for: a pool set later may have at most this many.
+  std::size_t n_threads = 1;
   /// When set, the forward pass adds the work it does here (see work_counters.hpp).
   WorkCounters* counters = nullptr;
 };

@@ -3,14 +3,19 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 #include <span>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "kvdecode/activations.hpp"
 #include "kvdecode/attention.hpp"
+#include "kvdecode/bf16.hpp"
+#include "kvdecode/detail/kernels.hpp"
 #include "kvdecode/detail/ops.hpp"
 #include "kvdecode/error.hpp"
 #include "kvdecode/kv_store.hpp"
@@ -25,15 +30,33 @@ namespace kvdecode {
 /// RoPE → append K/V to the store → attention over the store → wo → residual → RMSNorm → SwiGLU
 /// → residual) → final RMSNorm → classifier → logits.
 ///
+/// T is the compute type (activations, KV cache, logits); W the weight-storage type: T itself,
+/// or bf16 with T = float (half the bytes per decode step; products summed in f32).
+///
 /// A Model is immutable after construction: several threads may run it at once, each with its
-/// own store and Activations.
-template <class T>
+/// own store and Activations. Threads for one step come from the pool in the Activations.
+template <class T, class W = T>
 class Model {
+  static_assert(std::is_same_v<T, W> || (std::is_same_v<T, float> && std::is_same_v<W, bf16>),
+                "Model<T, W>: weights are stored as T, or as bf16 with T = float");
+
  public:
-  explicit Model(Weights<T> weights) : w_(std::move(weights)) { w_.config.validate(); }
+  explicit Model(Weights<W> weights) : w_(std::move(weights)) {
+    w_.config.validate();
+    if constexpr (!std::is_same_v<T, W>) {
+      // The RMSNorm gains, widened once: they are a few KiB and read every step.
+      const auto dim = static_cast<std::size_t>(w_.config.dim);
+      gains_ = AlignedBuffer<T>((2 * w_.layers.size() + 1) * dim);
+      for (std::size_t l = 0; l < w_.layers.size(); ++l) {
+        widen_into(gains_.data() + 2 * l * dim, w_.layers[l].rms_att.data(), dim);
+        widen_into(gains_.data() + (2 * l + 1) * dim, w_.layers[l].rms_ffn.data(), dim);
+      }
+      widen_into(gains_.data() + 2 * w_.layers.size() * dim, w_.rms_final.data(), dim);
+    }
+  }
 
   const ModelConfig& config() const { return w_.config; }
-  const Weights<T>& weights() const { return w_; }
+  const Weights<W>& weights() const { return w_; }
 
   /// Runs one token at the next cache index: computes its q/k/v, appends its K/V to the
   /// store, attends over the whole cache and returns the logits [vocab_size] (a view into act).
@@ -55,7 +78,8 @@ class Model {
 
   /// The no-cache oracle: logits [tokens.size()][vocab_size] of every position, computed by the
   /// independent plain loops of reference.hpp.
-  std::vector<T> forward_reference(std::span<const std::int32_t> tokens) const {
+  std::vector<T> forward_reference(
+      std::span<const std::int32_t> tokens) const requires std::is_same_v<T, W> {
     return kvdecode::forward_reference(w_, tokens);
   }
 
@@ -67,9 +91,9 @@ class Model {
     const auto vocab = static_cast<std::size_t>(cfg.vocab_size);
     KVDECODE_CHECK(!tokens.empty(), "Model::prefill: no tokens given");
     for (std::size_t i = 0; i < tokens.size(); ++i) {
-      KVDECODE_CHECK(tokens[i] >= 0 && tokens[i] < cfg.vocab_size, "Model: token id ",
-                     tokens[i], " at input position ", i, " is outside the vocabulary [0, ",
-                     cfg.vocab_size, ")");
+      KVDECODE_CHECK(tokens[i] >= 0 && tokens[i] < cfg.vocab_size, "Model: token id ", tokens[i],
+                     " at input position ", i, " is outside the vocabulary [0, ", cfg.vocab_size,
+                     ")");
     }
     KVDECODE_CHECK(all_logits.empty() || all_logits.size() == tokens.size() * vocab,
                    "Model::prefill: all_logits holds ", all_logits.size(), " values, expected ",
@@ -77,13 +101,16 @@ class Model {
     KVDECODE_CHECK(cache.n_layers() == static_cast<std::size_t>(cfg.n_layers) &&
                        cache.n_kv_heads() == static_cast<std::size_t>(cfg.n_kv_heads) &&
                        cache.head_size() == static_cast<std::size_t>(cfg.head_size()),
-                   "Model: the store's shape (", cache.n_layers(), " layers, ",
-                   cache.n_kv_heads(), " kv heads, head size ", cache.head_size(),
-                   ") does not match the model (", cfg.n_layers, ", ", cfg.n_kv_heads, ", ",
-                   cfg.head_size(), ")");
-    KVDECODE_CHECK(act.logits.size() == vocab && act.x.size() == act.max_tokens *
-                                                                     static_cast<std::size_t>(cfg.dim),
+                   "Model: the store's shape (", cache.n_layers(), " layers, ", cache.n_kv_heads(),
+                   " kv heads, head size ", cache.head_size(), ") does not match the model (",
+                   cfg.n_layers, ", ", cfg.n_kv_heads, ", ", cfg.head_size(), ")");
+    KVDECODE_CHECK(act.logits.size() == vocab &&
+                       act.x.size() == act.max_tokens * static_cast<std::size_t>(cfg.dim),
                    "Model: the Activations were built for another config");
+    KVDECODE_CHECK(act.pool == nullptr || act.pool->size() <= act.n_threads,
+                   "Model: the Activations' pool has ", act.pool == nullptr ? 0 : act.pool->size(),
+                   " threads but its scratch was sized for ", act.n_threads,
+                   "; pass the pool to the Activations constructor");
 
     cache.begin_append(tokens);  // throws, changing nothing, when the cache is full
     try {
@@ -122,19 +149,25 @@ class Model {
     const std::size_t first = cache.size() + pending_first;  // cache index of tokens[0]
 
     for (std::size_t i = 0; i < n; ++i) {
-      const T* row = w_.token_embedding.data() + static_cast<std::size_t>(tokens[i]) * dim;
-      std::copy_n(row, dim, act.x.data() + i * dim);
-      rope_angles(cache.rope_position(first + i), hs, cfg.rope_theta, act.rope_cos.data() + i * half,
-                  act.rope_sin.data() + i * half);
+      const W* row = w_.token_embedding.data() + static_cast<std::size_t>(tokens[i]) * dim;
+      widen_into(act.x.data() + i * dim, row, dim);
+      rope_angles(cache.rope_position(first + i), hs, cfg.rope_theta,
+                  act.rope_cos.data() + i * half, act.rope_sin.data() + i * half);
     }
 
+    // Every projection below is split across act.pool's threads by weight rows; q/k/v and the
+    // FFN gate/up share one region each, as they read the same input.
+    const auto project = [&](std::initializer_list<Projection> ps, const T* x, std::size_t in) {
+      linear_group(ps, x, n, in, act);
+    };
     for (std::size_t l = 0; l < w_.layers.size(); ++l) {
-      const LayerWeights<T>& lw = w_.layers[l];
+      const LayerWeights<W>& lw = w_.layers[l];
       // Attention block.
-      detail::rmsnorm(act.xb.data(), act.x.data(), lw.rms_att.data(), n, dim, cfg.norm_eps);
-      detail::matmul(act.q.data(), act.xb.data(), lw.wq.data(), n, dim, dim);
-      detail::matmul(act.k.data(), act.xb.data(), lw.wk.data(), n, dim, kv_dim);
-      detail::matmul(act.v.data(), act.xb.data(), lw.wv.data(), n, dim, kv_dim);
+      detail::rmsnorm(act.xb.data(), act.x.data(), gain_att(l), n, dim, cfg.norm_eps);
+      project({{act.q.data(), lw.wq.data(), dim},
+               {act.k.data(), lw.wk.data(), kv_dim},
+               {act.v.data(), lw.wv.data(), kv_dim}},
+              act.xb.data(), dim);
       for (std::size_t i = 0; i < n; ++i) {
         const T* c = act.rope_cos.data() + i * half;
         const T* s = act.rope_sin.data() + i * half;
@@ -144,27 +177,108 @@ class Model {
                    cfg.rope_style, c, s);
         cache.write(l, pending_first + i, act.k.data() + i * kv_dim, act.v.data() + i * kv_dim);
       }
-      attend(cfg, cache, l, first, n, act.q.data(), act.att.data(), act.attention);
-      detail::matmul(act.xb.data(), act.att.data(), lw.wo.data(), n, dim, dim);
+      attend(cfg, cache, l, first, n, act.q.data(), act.att.data(), act.attention, act.pool);
+      project({{act.xb.data(), lw.wo.data(), dim}}, act.att.data(), dim);
       add_into(act.x.data(), act.xb.data(), n * dim);
       // Feed-forward block.
-      detail::rmsnorm(act.xb.data(), act.x.data(), lw.rms_ffn.data(), n, dim, cfg.norm_eps);
-      detail::matmul(act.hb.data(), act.xb.data(), lw.w1.data(), n, dim, hidden);
-      detail::matmul(act.hb2.data(), act.xb.data(), lw.w3.data(), n, dim, hidden);
+      detail::rmsnorm(act.xb.data(), act.x.data(), gain_ffn(l), n, dim, cfg.norm_eps);
+      project({{act.hb.data(), lw.w1.data(), hidden}, {act.hb2.data(), lw.w3.data(), hidden}},
+              act.xb.data(), dim);
       detail::swiglu(act.hb.data(), act.hb2.data(), n * hidden);
-      detail::matmul(act.xb.data(), act.hb.data(), lw.w2.data(), n, hidden, dim);
+      project({{act.xb.data(), lw.w2.data(), dim}}, act.hb.data(), hidden);
       add_into(act.x.data(), act.xb.data(), n * dim);
     }
 
     // Classifier: every row when all logits are wanted, else only the last token of the input.
     if (!chunk_logits.empty()) {
-      detail::rmsnorm(act.xb.data(), act.x.data(), w_.rms_final.data(), n, dim, cfg.norm_eps);
-      detail::matmul(chunk_logits.data(), act.xb.data(), w_.classifier(), n, dim, vocab);
+      detail::rmsnorm(act.xb.data(), act.x.data(), gain_final(), n, dim, cfg.norm_eps);
+      project({{chunk_logits.data(), w_.classifier(), vocab}}, act.xb.data(), dim);
       if (last_chunk) std::copy_n(chunk_logits.data() + (n - 1) * vocab, vocab, act.logits.data());
     } else if (last_chunk) {
       const T* x_last = act.x.data() + (n - 1) * dim;
-      detail::rmsnorm(act.xb.data(), x_last, w_.rms_final.data(), 1, dim, cfg.norm_eps);
-      detail::matmul(act.logits.data(), act.xb.data(), w_.classifier(), 1, dim, vocab);
+      detail::rmsnorm(act.xb.data(), x_last, gain_final(), 1, dim, cfg.norm_eps);
+      linear_group({{act.logits.data(), w_.classifier(), vocab}}, act.xb.data(), 1, dim, act);
+    }
+  }
+
+  /// One output of a projection region: y [n][out] = x [n][in] · w [out][in]ᵀ.
+  struct Projection {
+    T* y;
+    const W* w;
+    std::size_t out;
+  };
+
+  /// Runs projections that share their input x [n][in] in one parallel region, so one wake-up
+  /// of the pool covers q, k and v (or gate and up). Small projections stay on the caller.
+  /// One token (GEMV, memory bound): threads claim chunks of ~64 KiB of weight rows from a
+  /// shared counter, so a thread the OS delays holds the others up by one chunk at most.
+  /// Several tokens (GEMM, compute bound): a static split into one slice per thread, as
+  /// Eigen's GEMM packs the input once per call and wants large slices.
+  static void linear_group(std::initializer_list<Projection> ps, const T* x, std::size_t n,
+                           std::size_t in, Activations<T>& act) {
+    std::size_t weights = 0;
+    for (const Projection& p : ps) weights += p.out * in;
+    ThreadPool* pool = weights >= detail::kMinParallelWeights ? act.pool : nullptr;
+    if (n == 1 && pool != nullptr) {
+      const std::size_t chunk =
+          std::max<std::size_t>(16, (std::size_t{1} << 16) / (in * sizeof(W)) / 16 * 16);
+      std::size_t n_chunks = 0;
+      for (const Projection& p : ps) n_chunks += (p.out + chunk - 1) / chunk;
+      std::atomic<std::size_t> next{0};
+      pool->run([&](std::size_t) {
+        for (std::size_t c = next.fetch_add(1, std::memory_order_relaxed); c < n_chunks;
+             c = next.fetch_add(1, std::memory_order_relaxed)) {
+          std::size_t first = c;  // chunk index → (projection, rows)
+          for (const Projection& p : ps) {
+            const std::size_t here = (p.out + chunk - 1) / chunk;
+            if (first < here) {
+              const std::size_t r0 = first * chunk;
+              detail::gemv_rows(p.y, p.w, x, r0, std::min(p.out, r0 + chunk), in);
+              break;
+            }
+            first -= here;
+          }
+        }
+      });
+      return;
+    }
+    parallel_run(pool, [&](std::size_t t, std::size_t nt) {
+      for (const Projection& p : ps) {
+        const auto [r0, r1] = ThreadPool::share(p.out, nt, t, 16);
+        if (r1 <= r0) continue;
+        if (n == 1) {
+          detail::gemv_rows(p.y, p.w, x, r0, r1, in);
+        } else {
+          detail::gemm_cols(
+              p.y, x, p.w, n, in, p.out, r0, r1,
+              act.panels.empty() ? nullptr : act.panels.data() + t * act.panel_stride);
+        }
+      }
+    });
+  }
+
+  static void widen_into(T* out, const W* in, std::size_t count) {
+    for (std::size_t i = 0; i < count; ++i) out[i] = widen<T>(in[i]);
+  }
+  const T* gain_att(std::size_t l) const {
+    if constexpr (std::is_same_v<T, W>) {
+      return w_.layers[l].rms_att.data();
+    } else {
+      return gains_.data() + 2 * l * static_cast<std::size_t>(w_.config.dim);
+    }
+  }
+  const T* gain_ffn(std::size_t l) const {
+    if constexpr (std::is_same_v<T, W>) {
+      return w_.layers[l].rms_ffn.data();
+    } else {
+      return gains_.data() + (2 * l + 1) * static_cast<std::size_t>(w_.config.dim);
+    }
+  }
+  const T* gain_final() const {
+    if constexpr (std::is_same_v<T, W>) {
+      return w_.rms_final.data();
+    } else {
+      return gains_.data() + 2 * w_.layers.size() * static_cast<std::size_t>(w_.config.dim);
     }
   }
 
@@ -172,9 +286,11 @@ class Model {
     for (std::size_t i = 0; i < count; ++i) x[i] += y[i];
   }
 
-  /// Adds the work of one call that ran n tokens after `before` cached positions and computed
-  /// logit_rows rows of logits.
-  void count(PhaseCounters& c, std::size_t before, std::size_t n, std::size_t logit_rows) const {
+  /// Adds the work of one call that ran n tokens after `before` cached positions in chunks of at
+  /// most `chunk` tokens (0 = one chunk) and computed logit_rows rows of logits (1 or n).
+  /// Every figure is a closed form in these four numbers, so counting costs nothing per token.
+  void count(PhaseCounters& c, std::size_t before, std::size_t n, std::size_t logit_rows,
+             std::size_t chunk = 0) const {
     const ModelConfig& cfg = w_.config;
     const auto L = static_cast<std::uint64_t>(cfg.n_layers);
     const auto dim = static_cast<std::uint64_t>(cfg.dim);
@@ -183,24 +299,38 @@ class Model {
     const auto vocab = static_cast<std::uint64_t>(cfg.vocab_size);
     const auto hs = static_cast<std::uint64_t>(cfg.head_size());
     const auto n_heads = static_cast<std::uint64_t>(cfg.n_heads);
-    const auto n_kv = static_cast<std::uint64_t>(cfg.n_kv_heads);
     const std::uint64_t b = before;
     const std::uint64_t m = n;
-    // Query i (0-based within the call) sees b + i + 1 keys: Σ = m·b + m(m+1)/2.
+    const std::uint64_t per_chunk = chunk == 0 || chunk > n ? m : std::uint64_t{chunk};
+    const std::uint64_t chunks = (m + per_chunk - 1) / per_chunk;
+    // Query i (0-based within the call) sees b + i + 1 keys under the causal mask, whatever the
+    // chunking: Σ = m·b + m(m+1)/2 per layer and query head.
     const std::uint64_t visible = m * b + m * (m + 1) / 2;
+    // attend() streams each kv head's rows [0, chunk end) once per chunk (its kv_mul query heads
+    // share every tile): Σ over chunks of (b + end) rows, end = per_chunk, 2·per_chunk, ..., m.
+    const std::uint64_t full = chunks - 1;  // chunks of exactly per_chunk tokens before the last
+    const std::uint64_t rows_read = chunks * b + per_chunk * full * (full + 1) / 2 + m;
     c.tokens += m;
     c.kv_projections += m * L;
     c.attention_scores += visible * n_heads * L;
     c.kv_bytes_written += 2 * m * kv_dim * L * sizeof(T);
-    // Each kv head's keys and values up to the last query are read once per call.
-    c.kv_bytes_read += 2 * (b + m) * n_kv * hs * L * sizeof(T);
-    const std::uint64_t layer_weights = dim * dim * 2 + kv_dim * dim * 2 + hidden * dim * 3;
-    c.weight_bytes_read += (L * (layer_weights + 2 * dim) + dim + vocab * dim) * sizeof(T);
-    c.flops += 2 * m * L * layer_weights + 2 * std::uint64_t{logit_rows} * vocab * dim +
+    c.kv_bytes_read += 2 * rows_read * kv_dim * L * sizeof(T);
+    // Weights: every layer matrix and gain once per chunk; the final gain and the classifier
+    // once per chunk that computes logits (only the last one unless all logits are wanted); one
+    // embedding row per token.
+    const std::uint64_t layer_matrices = dim * dim * 2 + kv_dim * dim * 2 + hidden * dim * 3;
+    const std::uint64_t logit_chunks = logit_rows > 1 ? chunks : 1;
+    c.weight_bytes_read +=
+        (chunks * L * (layer_matrices + 2 * dim) + logit_chunks * (dim + vocab * dim) + m * dim) *
+        sizeof(W);
+    // FLOPs of the matrix products (2 per multiply-add): projections, classifier, q·k and p·v.
+    c.flops += 2 * m * L * layer_matrices + 2 * std::uint64_t{logit_rows} * vocab * dim +
                4 * visible * n_heads * hs * L;
   }
 
-  Weights<T> w_;
+  Weights<W> w_;
+  AlignedBuffer<T>
+      gains_;  // [2 n_layers + 1][dim] rms_att, rms_ffn per layer, rms_final; W ≠ T only
 };
 
 }  // namespace kvdecode

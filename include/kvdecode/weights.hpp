@@ -7,13 +7,15 @@
 #include <vector>
 
 #include "kvdecode/aligned_buffer.hpp"
+#include "kvdecode/bf16.hpp"
 #include "kvdecode/error.hpp"
 #include "kvdecode/model_config.hpp"
 
 namespace kvdecode {
 
 /// One decoder layer's tensors. Matrices are row-major [out][in] (nn.Linear layout), so a
-/// projection is y = W x.
+/// projection is y = W x. T is the storage type: float, double, or bf16 (see bf16.hpp and
+/// Model<float, bf16>; convert_weights<bf16>() in io/checkpoint.hpp rounds f32 weights to it).
 template <class T>
 struct LayerWeights {
   AlignedBuffer<T> rms_att;  // [dim]                pre-attention RMSNorm gain

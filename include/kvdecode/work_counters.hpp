@@ -1,5 +1,6 @@
 // WorkCounters: exact counts of the work a forward pass does, kept only when the caller passes a
-// counters object, so the uncounted path pays one null-pointer test per layer.
+// counters object. Each count is a closed form in (cached positions, new tokens, chunk size), added
+// once per prefill()/decode() call, so the uncounted path pays one null-pointer test per call.
 #pragma once
 
 #include <cstdint>
@@ -8,13 +9,19 @@ namespace kvdecode {
 
 /// The work of one phase (prefill or decode), summed over layers and heads.
 struct PhaseCounters {
-  std::uint64_t tokens = 0;            ///< tokens run through the model
-  std::uint64_t kv_projections = 0;    ///< K/V rows computed: tokens × layers
-  std::uint64_t attention_scores = 0;  ///< q·k dot products: Σ over layers, query heads, queries
+  std::uint64_t tokens = 0;          ///< tokens run through the model
+  std::uint64_t kv_projections = 0;  ///< K/V rows computed: tokens × layers
+  /// q·k dot products the causal mask lets through: Σ over layers, query heads and queries of
+  /// the keys each query sees (a k-token prefill pays k(k+1)/2 per layer and head)
+  std::uint64_t attention_scores = 0;
   std::uint64_t kv_bytes_written = 0;  ///< bytes of K and V appended to the store
-  std::uint64_t kv_bytes_read = 0;     ///< bytes of K and V read by attention (each kv head once)
-  std::uint64_t weight_bytes_read = 0; ///< parameter bytes streamed (each matrix once per call)
-  std::uint64_t flops = 0;             ///< multiply-adds × 2 of the matrix products and attention
+  /// bytes of K and V read by attention: each kv head's rows up to the chunk's last query, once
+  /// per chunk (the kv_mul query heads sharing a kv head reuse its tiles)
+  std::uint64_t kv_bytes_read = 0;
+  /// parameter bytes streamed: layer matrices and gains once per chunk, the classifier once per
+  /// chunk that computes logits, one embedding row per token
+  std::uint64_t weight_bytes_read = 0;
+  std::uint64_t flops = 0;  ///< multiply-adds × 2 of the projections, classifier, q·k and p·v
 
   PhaseCounters& operator+=(const PhaseCounters& o) {
     tokens += o.tokens;

@@ -1,0 +1,196 @@
+// Int8Store<T>: a KV cache of symmetric int8 rows with one f32 scale per (position, kv head),
+// ~27 % of the f32 cache for head_size 64. Attention reads it block by block through the
+// KvStore concept: for_each_block dequantizes kBlockRows rows at a time into caller scratch.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+
+#include "kvdecode/aligned_buffer.hpp"
+#include "kvdecode/error.hpp"
+#include "kvdecode/kv_store.hpp"
+#include "kvdecode/model_config.hpp"
+
+namespace kvdecode {
+
+/// Element order as ContiguousStore: [n_layers][n_kv_heads][capacity][head_size] int8 for keys
+/// and for values, plus [n_layers][n_kv_heads][capacity] f32 scales of each.
+///
+/// Why one scale per (position, kv head) rather than per group of 32 values: a query head dots
+/// exactly one such row, so the row's max |x| is the natural range; the scale costs 4/head_size
+/// bytes per element (6.25 % at head_size 64, 3.1 % at 128) where a group-of-32 f32 scale costs
+/// 12.5 % whatever the head size and breaks the 27 % budget; and dequantizing is one multiply per
+/// row. The price: one outlier channel widens the step of its whole row (KIVI's observation about
+/// keys), which the 4-bit store answers with per-channel key scales (q4_store.hpp).
+///
+/// Quantization: s = max|x| / 127, q = round(x / s) in [-127, 127], x̂ = q·s, so
+/// |x̂ - x| ≤ s / 2 = max|x| / 254 for every element (docs/QUANTIZATION.md derives what that
+/// means for scores and attention outputs). Rows are quantized when written, so pending rows
+/// are read back exactly as they will be after commit.
+template <class T>
+class Int8Store {
+ public:
+  using Scalar = T;
+  /// Rows for_each_block dequantizes per sink call: 128 rows of K and V at head_size 128 are
+  /// 128 KiB of f32 scratch, which stays in L2 while attention consumes it.
+  static constexpr std::size_t kBlockRows = 128;
+  static constexpr float kLevels = 127.0f;
+
+  /// Bytes one position costs in every layer and kv head, scales included:
+  /// 2 × n_layers × n_kv_heads × (head_size + sizeof(float)).
+  static std::size_t bytes_per_token(const ModelConfig& cfg) {
+    return 2 * static_cast<std::size_t>(cfg.n_layers) * static_cast<std::size_t>(cfg.n_kv_heads) *
+           (static_cast<std::size_t>(cfg.head_size()) * sizeof(std::int8_t) + sizeof(float));
+  }
+
+  Int8Store() = default;
+  /// A cache for `capacity` positions of the model `cfg`; capacity 0 means cfg.seq_len.
+  explicit Int8Store(const ModelConfig& cfg, std::size_t capacity = 0)
+      : n_layers_(static_cast<std::size_t>(cfg.n_layers)),
+        n_kv_heads_(static_cast<std::size_t>(cfg.n_kv_heads)),
+        head_size_(static_cast<std::size_t>(cfg.head_size())),
+        capacity_(capacity == 0 ? static_cast<std::size_t>(cfg.seq_len) : capacity) {
+    cfg.validate();
+    keys_ = AlignedBuffer<std::int8_t>(n_layers_ * n_kv_heads_ * capacity_ * head_size_);
+    values_ = AlignedBuffer<std::int8_t>(keys_.size());
+    key_scales_ = AlignedBuffer<float>(n_layers_ * n_kv_heads_ * capacity_);
+    value_scales_ = AlignedBuffer<float>(key_scales_.size());
+    tokens_ = AlignedBuffer<std::int32_t>(capacity_);
+  }
+
+  std::size_t size() const { return size_; }
+  std::size_t pending() const { return pending_; }
+  std::size_t capacity() const { return capacity_; }
+  std::size_t n_layers() const { return n_layers_; }
+  std::size_t n_kv_heads() const { return n_kv_heads_; }
+  std::size_t head_size() const { return head_size_; }
+  /// capacity × bytes_per_token(cfg): all of it is reserved up front.
+  std::size_t memory_bytes() const {
+    return keys_.bytes() + values_.bytes() + key_scales_.bytes() + value_scales_.bytes();
+  }
+  std::size_t rope_position(std::size_t index) const { return index; }
+  /// Keys and values of kBlockRows rows: [2][kBlockRows][head_size].
+  std::size_t block_scratch_size() const { return 2 * kBlockRows * head_size_; }
+
+  void begin_append(std::span<const std::int32_t> tokens) {
+    const std::size_t n = tokens.size();
+    KVDECODE_CHECK(pending_ == 0, "Int8Store::begin_append: ", pending_,
+                   " positions are already pending");
+    KVDECODE_CHECK(n <= capacity_ - size_, "Int8Store: appending ", n, " positions to ", size_,
+                   " would exceed the capacity of ", capacity_);
+    std::copy(tokens.begin(), tokens.end(), tokens_.data() + size_);
+    pending_ = n;
+  }
+
+  std::span<const std::int32_t> tokens() const { return {tokens_.data(), size_}; }
+
+  /// Quantizes pending position i of a layer; k and v are [kv_dim] rows, heads one after another.
+  void write(std::size_t layer, std::size_t i, const T* k, const T* v) {
+    const std::size_t index = size_ + i;
+    for (std::size_t h = 0; h < n_kv_heads_; ++h) {
+      const std::size_t row = (layer * n_kv_heads_ + h) * capacity_ + index;
+      key_scales_[row] = quantize(k + h * head_size_, keys_.data() + row * head_size_);
+      value_scales_[row] = quantize(v + h * head_size_, values_.data() + row * head_size_);
+    }
+  }
+
+  void commit_append() {
+    size_ += pending_;
+    pending_ = 0;
+  }
+  /// Pending rows lie past size(), so dropping them restores the store exactly.
+  void cancel_append() noexcept { pending_ = 0; }
+
+  void truncate(std::size_t n) {
+    KVDECODE_CHECK(pending_ == 0, "Int8Store::truncate during an append");
+    KVDECODE_CHECK(n <= size_, "Int8Store::truncate(", n, ") beyond size ", size_);
+    size_ = n;
+  }
+  void reset() {
+    size_ = 0;
+    pending_ = 0;
+  }
+
+  /// Dequantizes cache indices [0, end) of one (layer, kv head) kBlockRows rows at a time into
+  /// scratch [2][kBlockRows][head_size] and hands each block to sink; the block's pointers are
+  /// valid only during that call.
+  template <class Sink>
+  void for_each_block(std::size_t layer, std::size_t kv_head, std::size_t end,
+                      std::span<T> scratch, Sink&& sink) const {
+    if (end == 0) return;
+    KVDECODE_CHECK(scratch.size() >= block_scratch_size(), "Int8Store::for_each_block: scratch of ",
+                   scratch.size(), " elements, expected at least ", block_scratch_size());
+    T* const ks = scratch.data();                            // [kBlockRows][head_size]
+    T* const vs = scratch.data() + kBlockRows * head_size_;  // [kBlockRows][head_size]
+    const std::size_t base = (layer * n_kv_heads_ + kv_head) * capacity_;
+    for (std::size_t r0 = 0; r0 < end; r0 += kBlockRows) {
+      const std::size_t n = std::min(kBlockRows, end - r0);
+      dequantize(keys_.data() + (base + r0) * head_size_, key_scales_.data() + base + r0, n, ks);
+      dequantize(values_.data() + (base + r0) * head_size_, value_scales_.data() + base + r0, n,
+                 vs);
+      sink(KvBlock<T>{ks, vs, head_size_, r0, n});
+    }
+  }
+
+  /// The stored int8 row and scale of one (layer, kv head, cache index), for tests and tools.
+  std::span<const std::int8_t> key_codes(std::size_t layer, std::size_t kv_head,
+                                         std::size_t index) const {
+    return {keys_.data() + row(layer, kv_head, index) * head_size_, head_size_};
+  }
+  float key_scale(std::size_t layer, std::size_t kv_head, std::size_t index) const {
+    return key_scales_[row(layer, kv_head, index)];
+  }
+  float value_scale(std::size_t layer, std::size_t kv_head, std::size_t index) const {
+    return value_scales_[row(layer, kv_head, index)];
+  }
+
+ private:
+  std::size_t row(std::size_t layer, std::size_t kv_head, std::size_t index) const {
+    return (layer * n_kv_heads_ + kv_head) * capacity_ + index;
+  }
+
+  /// q [head_size] = round(x / s) with s = max|x| / 127; returns s (0 for an all-zero row).
+  float quantize(const T* x, std::int8_t* q) const {
+    float amax = 0;
+    for (std::size_t c = 0; c < head_size_; ++c)
+      amax = std::max(amax, std::abs(static_cast<float>(x[c])));
+    const float scale = amax / kLevels;
+    const float inv = amax > 0 ? kLevels / amax : 0.0f;
+    for (std::size_t c = 0; c < head_size_; ++c) {
+      // The clamp only catches x·inv rounding a hair past ±127.
+      const float r = std::nearbyint(static_cast<float>(x[c]) * inv);
+      q[c] = static_cast<std::int8_t>(std::clamp(r, -kLevels, kLevels));
+    }
+    return scale;
+  }
+
+  /// out [n][head_size] = q [n][head_size] · scale [n] (one scale per row).
+  void dequantize(const std::int8_t* q, const float* scale, std::size_t n, T* out) const {
+    for (std::size_t r = 0; r < n; ++r) {
+      const T s = static_cast<T>(scale[r]);
+      const std::int8_t* qr = q + r * head_size_;
+      T* o = out + r * head_size_;
+      for (std::size_t c = 0; c < head_size_; ++c) o[c] = static_cast<T>(qr[c]) * s;
+    }
+  }
+
+  std::size_t n_layers_ = 0;
+  std::size_t n_kv_heads_ = 0;
+  std::size_t head_size_ = 0;
+  std::size_t capacity_ = 0;
+  std::size_t size_ = 0;
+  std::size_t pending_ = 0;
+  AlignedBuffer<std::int8_t> keys_;    // [n_layers][n_kv_heads][capacity][head_size] codes
+  AlignedBuffer<std::int8_t> values_;  // [n_layers][n_kv_heads][capacity][head_size] codes
+  AlignedBuffer<float> key_scales_;    // [n_layers][n_kv_heads][capacity] step of each key row
+  AlignedBuffer<float> value_scales_;  // [n_layers][n_kv_heads][capacity] step of each value row
+  AlignedBuffer<std::int32_t> tokens_;  // [capacity] token id of each position
+};
+
+static_assert(KvStore<Int8Store<float>>);
+static_assert(KvStore<Int8Store<double>>);
+
+}  // namespace kvdecode

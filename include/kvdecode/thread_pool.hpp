@@ -1,0 +1,165 @@
+// ThreadPool: a fixed set of persistent worker threads that run one parallel region at a time,
+// woken through atomics (spin briefly, then futex-wait), so a decode step's ~100 regions cost
+// microseconds, not thread launches. Plain std::thread; nothing depends on OpenMP.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+#include "kvdecode/error.hpp"
+
+namespace kvdecode {
+
+/// Runs a function on n_threads threads at once: the calling thread is thread 0 and n_threads-1
+/// workers are the rest. The caller owns the pool and passes a pointer to it in Activations;
+/// a Model never owns threads, so it stays immutable and shareable.
+///
+/// One region runs at a time: run() must not be called concurrently on one pool nor from inside
+/// a region (one pool per decoding thread). A region's function must not throw through run()
+/// without care: the first exception any thread throws is rethrown by run() after all threads
+/// have finished the region.
+class ThreadPool {
+ public:
+  /// n_threads counts the caller; 0 means std::thread::hardware_concurrency().
+  explicit ThreadPool(std::size_t n_threads = 0) {
+    if (n_threads == 0) n_threads = std::max(1u, std::thread::hardware_concurrency());
+    KVDECODE_CHECK(n_threads <= 1024, "ThreadPool: ", n_threads,
+                   " threads requested, at most 1024");
+    n_threads_ = n_threads;
+    workers_.reserve(n_threads - 1);
+    for (std::size_t i = 1; i < n_threads; ++i) workers_.emplace_back([this, i] { work(i); });
+  }
+  ThreadPool(const ThreadPool&) = delete;
+  ThreadPool& operator=(const ThreadPool&) = delete;
+  ~ThreadPool() {
+    stop_.store(true, std::memory_order_relaxed);
+    generation_.fetch_add(1, std::memory_order_release);
+    generation_.notify_all();
+    for (auto& t : workers_) t.join();
+  }
+
+  /// Threads a region runs on, the caller included.
+  std::size_t size() const { return n_threads_; }
+
+  /// Calls f(thread_index) once on each of size() threads (index 0 on the caller) and returns
+  /// when all calls have returned. Allocates nothing: f is referenced, not copied.
+  template <class F>
+  void run(F&& f) {
+    if (n_threads_ == 1) {
+      f(std::size_t{0});
+      return;
+    }
+    using Fn = std::remove_reference_t<F>;
+    ctx_ = const_cast<void*>(static_cast<const void*>(&f));
+    call_ = [](void* ctx, std::size_t i) { (*static_cast<Fn*>(ctx))(i); };
+    remaining_.store(n_threads_ - 1, std::memory_order_relaxed);
+    generation_.fetch_add(1, std::memory_order_release);
+    generation_.notify_all();
+    try {
+      f(std::size_t{0});
+    } catch (...) {
+      record(std::current_exception());
+    }
+    // Workers finish within microseconds of the caller in a balanced region: spin, then sleep.
+    for (int spin = 0; remaining_.load(std::memory_order_acquire) != 0; ++spin) {
+      if (spin < kSpins) {
+        pause();
+      } else {
+        const std::size_t left = remaining_.load(std::memory_order_acquire);
+        if (left != 0) remaining_.wait(left, std::memory_order_acquire);
+      }
+    }
+    if (error_) {
+      std::exception_ptr e = std::exchange(error_, nullptr);
+      error_claimed_.store(false);
+      std::rethrow_exception(e);
+    }
+  }
+
+  /// The half-open range [begin, end) of `count` items that part `part` of `parts` takes:
+  /// near-equal shares whose boundaries are multiples of `align` (except the last end), so SIMD
+  /// row blocks never straddle two threads.
+  static std::pair<std::size_t, std::size_t> share(std::size_t count, std::size_t parts,
+                                                   std::size_t part, std::size_t align = 1) {
+    const std::size_t units = (count + align - 1) / align;
+    const std::size_t begin = std::min(count, units * part / parts * align);
+    const std::size_t end = std::min(count, units * (part + 1) / parts * align);
+    return {begin, end};
+  }
+
+ private:
+  // ~20-50 µs of spinning at a few ns per pause: longer than any gap between a decode step's
+  // regions, short enough that an idle pool sleeps almost at once.
+  static constexpr int kSpins = 1 << 13;
+
+  static void pause() {
+#if defined(__x86_64__) || defined(_M_X64) || defined(__i386__)
+    _mm_pause();
+#else
+    std::this_thread::yield();
+#endif
+  }
+
+  void work(std::size_t index) {
+    std::uint64_t seen = 0;
+    for (;;) {
+      std::uint64_t g = generation_.load(std::memory_order_acquire);
+      for (int spin = 0; g == seen; ++spin) {
+        if (spin < kSpins) {
+          pause();
+        } else {
+          generation_.wait(seen, std::memory_order_acquire);
+        }
+        g = generation_.load(std::memory_order_acquire);
+      }
+      seen = g;
+      if (stop_.load(std::memory_order_relaxed)) return;
+      try {
+        call_(ctx_, index);
+      } catch (...) {
+        record(std::current_exception());
+      }
+      if (remaining_.fetch_sub(1, std::memory_order_acq_rel) == 1) remaining_.notify_one();
+    }
+  }
+
+  void record(std::exception_ptr e) {
+    bool expected = false;
+    if (error_claimed_.compare_exchange_strong(expected, true)) error_ = std::move(e);
+  }
+
+  std::size_t n_threads_ = 1;
+  std::vector<std::thread> workers_;  // [n_threads - 1]
+  // The current region: written by the caller before the generation bump (release), read by
+  // workers after seeing it (acquire).
+  void (*call_)(void*, std::size_t) = nullptr;
+  void* ctx_ = nullptr;
+  alignas(64) std::atomic<std::uint64_t> generation_{0};  // bumped once per region
+  alignas(64) std::atomic<std::size_t> remaining_{0};     // workers still in the region
+  std::atomic<bool> stop_{false};
+  std::atomic<bool> error_claimed_{false};
+  std::exception_ptr error_;
+};
+
+/// Runs f(thread_index, n_threads) on every thread of pool, or f(0, 1) inline without one.
+template <class F>
+inline void parallel_run(ThreadPool* pool, F&& f) {
+  if (pool == nullptr || pool->size() == 1) {
+    f(std::size_t{0}, std::size_t{1});
+    return;
+  }
+  const std::size_t n = pool->size();
+  pool->run([&](std::size_t i) { f(i, n); });
+}
+
+}  // namespace kvdecode

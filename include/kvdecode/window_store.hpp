@@ -1,0 +1,319 @@
+// WindowStore<T>: a sliding-window KV cache, a ring of the newest positions per layer plus S
+// "sink" positions kept forever. Two policies: a model trained with a window (exactly the
+// windowed causal mask), and StreamingLLM-style streaming past seq_len with bounded memory.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "kvdecode/aligned_buffer.hpp"
+#include "kvdecode/error.hpp"
+#include "kvdecode/kv_store.hpp"
+#include "kvdecode/model_config.hpp"
+
+namespace kvdecode {
+
+enum class WindowPolicy {
+  /// RoPE position = cache index; query q sees the sinks and keys q-W+1 .. q (Mistral-style
+  /// models trained with a window). With 0 sinks this is forward_reference(w, tokens, W).
+  kTrainedWindow,
+  /// StreamingLLM (Xiao et al. 2023): a kept token's RoPE position is its slot in the cache,
+  /// sinks first, then the window; the newest token sits at S+W-1 once the cache is full.
+  kStreaming,
+};
+
+struct WindowOptions {
+  std::size_t window = 0;  ///< W: positions a query sees besides the sinks, itself included
+  std::size_t sinks = 0;   ///< S: first positions kept forever (StreamingLLM keeps 4)
+  WindowPolicy policy = WindowPolicy::kTrainedWindow;
+  /// The most queries one attend() call runs: the Activations' max_tokens. The ring keeps
+  /// W - 1 + max_chunk positions so that the first query of a chunk still finds its window.
+  std::size_t max_chunk = 1;
+  /// capacity(): the longest sequence (cache indices) the store accepts; only the token ids,
+  /// 4 bytes each, grow with it. 0 means cfg.seq_len.
+  std::size_t max_positions = 0;
+};
+
+/// Keys are stored after RoPE, as every other store, in their ring slot:
+///   sinks [n_layers][n_kv_heads][S][head_size], ring [n_layers][n_kv_heads][R][head_size],
+///   R = W - 1 + max_chunk, cache index x ≥ S in slot (x - S) mod R.
+///
+/// Why post-RoPE with rotation by the delta (not pre-RoPE keys rotated at every read): under
+/// kTrainedWindow positions never shift, so keys are read in place like ContiguousStore's, and
+/// under kStreaming nothing shifts until the cache is full, so both policies equal the plain
+/// cache bit for bit up to then. Once full, key x written at position p_w(x) = min(x, S+W-1)
+/// must appear to query q at its slot position p(x | q) = x - (q - (S+W-1)); for_each_block
+/// rotates it by p(x | q) - p_w(x) = -d into scratch (RoPE rotations compose: R(a)R(b) =
+/// R(a+b)), where d < W, so the cos/sin of every d are a [W][head_size/2] table built once.
+/// Sinks never move, so they are read in place.
+///
+/// Streaming appends one token at a time once the cache has filled (size + n > S + W): each
+/// query of a chunk would need its own rotation of the keys, and attention asks the store for
+/// the keys once per chunk. Rollback (truncate) reaches back at most max_chunk positions, as
+/// older keys may already be overwritten.
+template <class T>
+class WindowStore {
+ public:
+  using Scalar = T;
+  /// Keys rotated per sink call under kStreaming: [kRotateRows][head_size] of scratch.
+  static constexpr std::size_t kRotateRows = 128;
+
+  /// Every byte a store of these options reserves: 2 × n_layers × kv_dim × (S + R) × sizeof(T),
+  /// plus the [W][head_size/2] cos and sin tables under kStreaming. Independent of the length.
+  static std::size_t memory_bytes_for(const ModelConfig& cfg, const WindowOptions& o) {
+    const auto kv = static_cast<std::size_t>(cfg.n_layers) * static_cast<std::size_t>(cfg.kv_dim());
+    const std::size_t rows = o.sinks + o.window - 1 + o.max_chunk;
+    const std::size_t table = o.policy == WindowPolicy::kStreaming
+                                  ? 2 * o.window * static_cast<std::size_t>(cfg.head_size()) / 2
+                                  : 0;
+    return (2 * kv * rows + table) * sizeof(T);
+  }
+
+  WindowStore() = default;
+  WindowStore(const ModelConfig& cfg, const WindowOptions& options)
+      : n_layers_(static_cast<std::size_t>(cfg.n_layers)),
+        n_kv_heads_(static_cast<std::size_t>(cfg.n_kv_heads)),
+        head_size_(static_cast<std::size_t>(cfg.head_size())),
+        window_(options.window),
+        sinks_(options.sinks),
+        policy_(options.policy),
+        max_chunk_(options.max_chunk),
+        capacity_(options.max_positions == 0 ? static_cast<std::size_t>(cfg.seq_len)
+                                             : options.max_positions),
+        style_(cfg.rope_style) {
+    cfg.validate();
+    KVDECODE_CHECK(window_ >= 1, "WindowStore: window ", window_, ", expected at least 1");
+    KVDECODE_CHECK(max_chunk_ >= 1, "WindowStore: max_chunk ", max_chunk_,
+                   ", expected at least 1");
+    ring_ = window_ - 1 + max_chunk_;
+    const std::size_t heads = n_layers_ * n_kv_heads_;
+    sink_keys_ = AlignedBuffer<T>(heads * sinks_ * head_size_);
+    sink_values_ = AlignedBuffer<T>(sink_keys_.size());
+    ring_keys_ = AlignedBuffer<T>(heads * ring_ * head_size_);
+    ring_values_ = AlignedBuffer<T>(ring_keys_.size());
+    if (policy_ == WindowPolicy::kStreaming) {
+      // cos/sin of d · theta^(-2j/head_size) for every shift d < W, formed in double as rope.hpp.
+      const std::size_t half = head_size_ / 2;
+      rot_cos_ = AlignedBuffer<T>(window_ * half);
+      rot_sin_ = AlignedBuffer<T>(window_ * half);
+      for (std::size_t d = 0; d < window_; ++d)
+        for (std::size_t j = 0; j < half; ++j) {
+          const double freq = std::pow(cfg.rope_theta, -2.0 * static_cast<double>(j) /
+                                                           static_cast<double>(head_size_));
+          rot_cos_[d * half + j] = static_cast<T>(std::cos(static_cast<double>(d) * freq));
+          rot_sin_[d * half + j] = static_cast<T>(std::sin(static_cast<double>(d) * freq));
+        }
+    }
+    written_.assign(n_layers_, 0);
+    tokens_ = AlignedBuffer<std::int32_t>(capacity_);
+    oldest_ = sinks_;
+  }
+
+  std::size_t size() const { return size_; }
+  std::size_t pending() const { return pending_; }
+  std::size_t capacity() const { return capacity_; }
+  std::size_t n_layers() const { return n_layers_; }
+  std::size_t n_kv_heads() const { return n_kv_heads_; }
+  std::size_t head_size() const { return head_size_; }
+  std::size_t window() const { return window_; }
+  std::size_t sinks() const { return sinks_; }
+  std::size_t max_chunk() const { return max_chunk_; }
+  WindowPolicy policy() const { return policy_; }
+  /// K/V rows and rotation tables (memory_bytes_for); the token ids ([capacity] int32) aside,
+  /// as ContiguousStore's.
+  std::size_t memory_bytes() const {
+    return sink_keys_.bytes() + sink_values_.bytes() + ring_keys_.bytes() + ring_values_.bytes() +
+           rot_cos_.bytes() + rot_sin_.bytes();
+  }
+
+  /// kTrainedWindow: the index. kStreaming: the slot of the token when it arrives, its index
+  /// until the cache fills, then S + W - 1.
+  std::size_t rope_position(std::size_t index) const {
+    if (policy_ == WindowPolicy::kTrainedWindow) return index;
+    return std::min(index, sinks_ + window_ - 1);
+  }
+  /// Hides key k from query q when k is neither a sink nor one of q's W newest positions.
+  bool masks(std::size_t q, std::size_t k) const { return k >= sinks_ && k + window_ <= q; }
+  std::size_t block_scratch_size() const {
+    return policy_ == WindowPolicy::kStreaming ? kRotateRows * head_size_ : 0;
+  }
+
+  void begin_append(std::span<const std::int32_t> tokens) {
+    const std::size_t n = tokens.size();
+    KVDECODE_CHECK(pending_ == 0, "WindowStore::begin_append: ", pending_,
+                   " positions are already pending");
+    KVDECODE_CHECK(n <= capacity_ - size_, "WindowStore: appending ", n, " positions to ", size_,
+                   " would exceed the capacity of ", capacity_, " (max_positions)");
+    KVDECODE_CHECK(policy_ != WindowPolicy::kStreaming || n <= 1 || size_ + n <= sinks_ + window_,
+                   "WindowStore (streaming): appending ", n, " positions to ", size_,
+                   " passes the full cache of S + W = ", sinks_ + window_,
+                   " positions; past it, append one position at a time");
+    // A cancel must find the keys the next query needs, [max(S, size-W+1), size), intact.
+    const std::size_t needed = std::max({sinks_, oldest_, size_ + 1 > window_ ? size_ + 1 - window_ : 0});
+    KVDECODE_CHECK(n == 0 || size_ <= needed || size_ + n - 1 < needed + ring_,
+                   "WindowStore: appending ", n, " positions to ", size_,
+                   " would overwrite keys a cancel must restore; append at most max_chunk = ",
+                   max_chunk_, " positions at a time to a non-empty store");
+    std::copy(tokens.begin(), tokens.end(), tokens_.data() + size_);
+    pending_ = n;
+  }
+
+  std::span<const std::int32_t> tokens() const { return {tokens_.data(), size_}; }
+
+  /// Stores pending position i of a layer (k rotated at rope_position, v; [kv_dim] each). Rows
+  /// arrive in order per layer; index x overwrites the ring slot of x - R.
+  void write(std::size_t layer, std::size_t i, const T* k, const T* v) {
+    const std::size_t index = size_ + i;
+    KVDECODE_CHECK(i < pending_ && index == written_[layer], "WindowStore::write: layer ", layer,
+                   " expects pending row ", written_[layer] - size_, " of ", pending_, ", got ",
+                   i, " (rows are written in order)");
+    for (std::size_t h = 0; h < n_kv_heads_; ++h) {
+      T* kd = nullptr;
+      T* vd = nullptr;
+      if (index < sinks_) {
+        const std::size_t at = ((layer * n_kv_heads_ + h) * sinks_ + index) * head_size_;
+        kd = sink_keys_.data() + at;
+        vd = sink_values_.data() + at;
+      } else {
+        const std::size_t at = ring_row(layer, h, index) * head_size_;
+        kd = ring_keys_.data() + at;
+        vd = ring_values_.data() + at;
+      }
+      std::copy_n(k + h * head_size_, head_size_, kd);
+      std::copy_n(v + h * head_size_, head_size_, vd);
+    }
+    written_[layer] = index + 1;
+  }
+
+  void commit_append() {
+    size_ += pending_;
+    pending_ = 0;
+    if (size_ > ring_) oldest_ = std::max(oldest_, size_ - ring_);
+    std::fill(written_.begin(), written_.end(), size_);
+  }
+  /// Drops the pending rows. Slots they overwrote held keys no later query sees (begin_append
+  /// checked), which now stop being reported.
+  void cancel_append() noexcept {
+    const std::size_t w =
+        written_.empty() ? 0 : *std::max_element(written_.begin(), written_.end());
+    if (w > ring_) oldest_ = std::max(oldest_, w - ring_);
+    pending_ = 0;
+    std::fill(written_.begin(), written_.end(), size_);
+  }
+
+  /// Rollback to n positions, possible while the keys the query at n needs are still resident.
+  void truncate(std::size_t n) {
+    KVDECODE_CHECK(pending_ == 0, "WindowStore::truncate during an append");
+    KVDECODE_CHECK(n <= size_, "WindowStore::truncate(", n, ") beyond size ", size_);
+    const std::size_t needed = std::max(sinks_, n + 1 > window_ ? n + 1 - window_ : 0);
+    KVDECODE_CHECK(needed >= n || oldest_ <= needed, "WindowStore::truncate(", n,
+                   "): the query at ", n, " needs keys from index ", needed,
+                   " but the oldest resident one is ", oldest_, " (at most max_chunk = ",
+                   max_chunk_, " positions can be rolled back)");
+    size_ = n;
+    oldest_ = std::min(oldest_, std::max(n, sinks_));
+    std::fill(written_.begin(), written_.end(), size_);
+  }
+  void reset() {
+    size_ = 0;
+    pending_ = 0;
+    oldest_ = sinks_;
+    std::fill(written_.begin(), written_.end(), 0);
+  }
+
+  /// The resident keys and values of cache indices [0, end): the sinks, then the ring's runs
+  /// (at most two, split where the ring wraps). Under kStreaming with a full cache the keys are
+  /// those query end-1 sees, rotated to their slot positions in scratch kRotateRows at a time.
+  template <class Sink>
+  void for_each_block(std::size_t layer, std::size_t kv_head, std::size_t end,
+                      std::span<T> scratch, Sink&& sink) const {
+    const std::size_t hs = head_size_;
+    const std::size_t lh = layer * n_kv_heads_ + kv_head;
+    const std::size_t ns = std::min(sinks_, end);
+    if (ns > 0) {
+      const std::size_t at = lh * sinks_ * hs;
+      sink(KvBlock<T>{sink_keys_.data() + at, sink_values_.data() + at, hs, 0, ns});
+    }
+    const std::size_t w = written_[layer];
+    std::size_t lo = std::max({sinks_, oldest_, w > ring_ ? w - ring_ : 0});
+    const bool rotate = policy_ == WindowPolicy::kStreaming && end > sinks_ + window_;
+    if (rotate) {
+      lo = std::max(lo, end - window_);  // only query end-1's window
+      KVDECODE_CHECK(scratch.size() >= block_scratch_size(),
+                     "WindowStore::for_each_block: scratch of ", scratch.size(),
+                     " elements, expected at least ", block_scratch_size());
+    }
+    const std::size_t q = end - 1;
+    const std::size_t full = sinks_ + window_ - 1;  // the newest slot position
+    for (std::size_t x = lo; x < end;) {
+      const std::size_t slot = (x - sinks_) % ring_;
+      std::size_t run = std::min(end - x, ring_ - slot);
+      const T* keys = ring_keys_.data() + (lh * ring_ + slot) * hs;
+      const T* values = ring_values_.data() + (lh * ring_ + slot) * hs;
+      if (rotate) {
+        run = std::min(run, kRotateRows);
+        for (std::size_t r = 0; r < run; ++r) {
+          const std::size_t xi = x + r;
+          const std::size_t d = xi >= full ? q - xi : q - full;  // < W (see the class comment)
+          rotate_back(keys + r * hs, d, scratch.data() + r * hs);
+        }
+        keys = scratch.data();
+      }
+      sink(KvBlock<T>{keys, values, hs, x, run});
+      x += run;
+    }
+  }
+
+ private:
+  std::size_t ring_row(std::size_t layer, std::size_t kv_head, std::size_t index) const {
+    return (layer * n_kv_heads_ + kv_head) * ring_ + (index - sinks_) % ring_;
+  }
+
+  /// out [head_size] = key rotated by -d positions: each pair (a, b) → (a cos + b sin,
+  /// b cos - a sin), the inverse of apply_rope's rotation by d.
+  void rotate_back(const T* key, std::size_t d, T* out) const {
+    const std::size_t half = head_size_ / 2;
+    const T* c = rot_cos_.data() + d * half;
+    const T* s = rot_sin_.data() + d * half;
+    for (std::size_t j = 0; j < half; ++j) {
+      const std::size_t ia = style_ == RopeStyle::kAdjacentPairs ? 2 * j : j;
+      const std::size_t ib = style_ == RopeStyle::kAdjacentPairs ? 2 * j + 1 : j + half;
+      const T a = key[ia];
+      const T b = key[ib];
+      out[ia] = a * c[j] + b * s[j];
+      out[ib] = b * c[j] - a * s[j];
+    }
+  }
+
+  std::size_t n_layers_ = 0;
+  std::size_t n_kv_heads_ = 0;
+  std::size_t head_size_ = 0;
+  std::size_t window_ = 1;
+  std::size_t sinks_ = 0;
+  WindowPolicy policy_ = WindowPolicy::kTrainedWindow;
+  std::size_t max_chunk_ = 1;
+  std::size_t capacity_ = 0;
+  RopeStyle style_ = RopeStyle::kAdjacentPairs;
+  std::size_t ring_ = 0;    // R = W - 1 + max_chunk slots per (layer, kv head)
+  std::size_t size_ = 0;
+  std::size_t pending_ = 0;
+  std::size_t oldest_ = 0;  // lowest non-sink index whose slot still holds it (≥ S)
+  AlignedBuffer<T> sink_keys_;    // [n_layers][n_kv_heads][S][head_size] after RoPE
+  AlignedBuffer<T> sink_values_;  // [n_layers][n_kv_heads][S][head_size]
+  AlignedBuffer<T> ring_keys_;    // [n_layers][n_kv_heads][R][head_size] after RoPE at p_w(x)
+  AlignedBuffer<T> ring_values_;  // [n_layers][n_kv_heads][R][head_size]
+  AlignedBuffer<T> rot_cos_;      // [W][head_size/2] cos(d θ_j), kStreaming only
+  AlignedBuffer<T> rot_sin_;      // [W][head_size/2] sin(d θ_j), kStreaming only
+  std::vector<std::size_t> written_;    // [n_layers] rows written per layer (committed + pending)
+  AlignedBuffer<std::int32_t> tokens_;  // [capacity] token id of each position
+};
+
+static_assert(KvStore<WindowStore<float>>);
+static_assert(MaskingKvStore<WindowStore<float>>);
+static_assert(KvStore<WindowStore<double>>);
+
+}  // namespace kvdecode

@@ -1,0 +1,262 @@
+// WorkCounters: exact counts from real prefill / decode / generate runs, cached and uncached,
+// against closed-form sums written out here as plain loops (not the arithmetic of count()).
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "kvdecode/io/checkpoint.hpp"
+#include "kvdecode/kvdecode.hpp"
+#include "test_util.hpp"
+
+namespace kvdecode {
+namespace {
+
+using testing_util::random_tokens;
+using testing_util::small_config;
+
+/// The shape numbers the formulas use, as 64-bit unsigned values.
+struct Shape {
+  std::uint64_t L, H, n_kv, hs, dim, vocab;
+  explicit Shape(const ModelConfig& c)
+      : L(static_cast<std::uint64_t>(c.n_layers)),
+        H(static_cast<std::uint64_t>(c.n_heads)),
+        n_kv(static_cast<std::uint64_t>(c.n_kv_heads)),
+        hs(static_cast<std::uint64_t>(c.head_size())),
+        dim(static_cast<std::uint64_t>(c.dim)),
+        vocab(static_cast<std::uint64_t>(c.vocab_size)) {}
+};
+
+/// Σ_{i=1..k} i: the causal triangle of one k-token prefill (query i sees keys 1..i).
+std::uint64_t triangle(std::uint64_t k) {
+  std::uint64_t s = 0;
+  for (std::uint64_t i = 1; i <= k; ++i) s += i;
+  return s;
+}
+
+/// Runs generate() for n tokens after prompt and returns its counters.
+WorkCounters run_generate(const Model<double>& model, ContiguousStore<double>& cache,
+                          const std::vector<std::int32_t>& prompt, std::size_t n, bool use_cache) {
+  const ModelConfig& cfg = model.config();
+  Activations<double> act(cfg, static_cast<std::size_t>(cfg.seq_len));  // one chunk per call
+  WorkCounters counters;
+  act.counters = &counters;
+  Sampler sampler(cfg.vocab_size, SamplerOptions{0.0, 0.9, 0, 1});
+  GenerationOptions opt;
+  opt.max_new_tokens = n;
+  opt.use_cache = use_cache;
+  const GenerationStats st = generate(model, cache, act, std::span<const std::int32_t>(prompt),
+                                      sampler, opt, [](std::int32_t) {});
+  EXPECT_EQ(st.generated_tokens, n);
+  return counters;
+}
+
+// generate() prefills the p-token prompt (its logits give token 1), then feeds tokens 1 .. n-1
+// back: the n-th token is sampled but never fed. So the loop runs n - 1 steps; step t (1-based)
+// runs the token at cache index p + t - 1, which sees p + t keys.
+TEST(CountersTest, CachedGenerateMatchesClosedForms) {
+  const ModelConfig cfg = small_config(4, 2, 64);
+  const Shape s(cfg);
+  const Model<double> model(random_weights<double>(cfg, 3));
+  const std::uint64_t p = 5, n = 12;
+  // Capacity exactly p + n - 1, so the store is full at the end and its size is the formula's T.
+  ContiguousStore<double> cache(cfg, p + n - 1);
+  const auto prompt = random_tokens(p, cfg.vocab_size, 1);
+  const WorkCounters c = run_generate(model, cache, prompt, n, true);
+
+  std::uint64_t decode_scores = 0, decode_rows_read = 0;
+  for (std::uint64_t t = 1; t <= n - 1; ++t) {
+    decode_scores += p + t;
+    decode_rows_read += p + t;
+  }
+  EXPECT_EQ(c.prefill.tokens, p);
+  EXPECT_EQ(c.decode.tokens, n - 1);
+  // K/V projections: p + (n - 1) per layer, each token once.
+  EXPECT_EQ(c.prefill.kv_projections, p * s.L);
+  EXPECT_EQ(c.decode.kv_projections, (n - 1) * s.L);
+  EXPECT_EQ(c.total().kv_projections, (p + n - 1) * s.L);
+  // Scores per layer and query head: the prompt's triangle, then p + t per step.
+  EXPECT_EQ(c.prefill.attention_scores, triangle(p) * s.H * s.L);
+  EXPECT_EQ(c.decode.attention_scores, decode_scores * s.H * s.L);
+  // KV bytes written = 2 × n_layers × n_kv_heads × head_size × T × sizeof(T), T = p + n - 1,
+  // which is exactly what the store reserved.
+  const std::uint64_t T = p + n - 1;
+  EXPECT_EQ(c.total().kv_bytes_written, 2 * s.L * s.n_kv * s.hs * T * sizeof(double));
+  EXPECT_EQ(c.total().kv_bytes_written, cache.memory_bytes());
+  // Each step reads every cached row of every kv head once.
+  EXPECT_EQ(c.decode.kv_bytes_read, 2 * s.L * s.n_kv * s.hs * decode_rows_read * sizeof(double));
+  EXPECT_EQ(c.prefill.kv_bytes_read, 2 * s.L * s.n_kv * s.hs * p * sizeof(double));
+}
+
+// Without the cache, step t re-runs all p + t tokens (prefill into a reset store): every K/V is
+// recomputed and each step pays the whole causal triangle.
+TEST(CountersTest, UncachedGenerateMatchesClosedForms) {
+  const ModelConfig cfg = small_config(4, 2, 64);
+  const Shape s(cfg);
+  const Model<double> model(random_weights<double>(cfg, 3));
+  const std::uint64_t p = 5, n = 12;
+  ContiguousStore<double> cache(cfg);
+  const auto prompt = random_tokens(p, cfg.vocab_size, 1);
+  const WorkCounters c = run_generate(model, cache, prompt, n, false);
+
+  std::uint64_t tokens = p, scores = triangle(p), rows_read = p;
+  for (std::uint64_t t = 1; t <= n - 1; ++t) {
+    tokens += p + t;
+    scores += (p + t) * (p + t + 1) / 2;
+    rows_read += p + t;
+  }
+  EXPECT_EQ(c.decode, PhaseCounters{});  // the uncached loop never calls decode()
+  EXPECT_EQ(c.prefill.tokens, tokens);
+  EXPECT_EQ(c.prefill.kv_projections, tokens * s.L);
+  EXPECT_EQ(c.prefill.attention_scores, scores * s.H * s.L);
+  EXPECT_EQ(c.prefill.kv_bytes_written, 2 * s.L * s.n_kv * s.hs * tokens * sizeof(double));
+  EXPECT_EQ(c.prefill.kv_bytes_read, 2 * s.L * s.n_kv * s.hs * rows_read * sizeof(double));
+}
+
+// The issue's formulas, for n tokens fed after a p-token prompt with prefill()/decode() directly:
+// cached, p + n K/V projections per layer and Σ_{t=1..n} (p+t) scores per layer and head;
+// uncached (re-running p + t tokens for each t), Σ (p+t) projections and Σ (p+t)(p+t+1)/2 scores
+// (the causal triangle of p + t tokens, ~ (p+t)²/2).
+TEST(CountersTest, IssueFormulasForNFedTokens) {
+  const ModelConfig cfg = small_config(4, 1, 64);  // MQA: reads scale with n_kv_heads = 1
+  const Shape s(cfg);
+  const Model<double> model(random_weights<double>(cfg, 5));
+  const std::uint64_t p = 7, n = 9;
+  const auto seq = random_tokens(p + n, cfg.vocab_size, 2);
+  const std::span<const std::int32_t> all(seq);
+  Activations<double> act(cfg, 64);
+
+  WorkCounters cached;
+  act.counters = &cached;
+  ContiguousStore<double> cache(cfg);
+  model.prefill(all.first(p), cache, act);
+  for (std::uint64_t t = 1; t <= n; ++t) model.decode(seq[p + t - 1], cache, act);
+
+  WorkCounters uncached;
+  act.counters = &uncached;
+  for (std::uint64_t t = 1; t <= n; ++t) {
+    cache.reset();
+    model.prefill(all.first(p + t), cache, act);
+  }
+
+  std::uint64_t sum_pt = 0, sum_tri = 0;
+  for (std::uint64_t t = 1; t <= n; ++t) {
+    sum_pt += p + t;
+    sum_tri += (p + t) * (p + t + 1) / 2;
+  }
+  EXPECT_EQ(cached.total().kv_projections, (p + n) * s.L);
+  EXPECT_EQ(uncached.total().kv_projections, sum_pt * s.L);
+  EXPECT_EQ(cached.decode.attention_scores, sum_pt * s.H * s.L);
+  EXPECT_EQ(uncached.total().attention_scores, sum_tri * s.H * s.L);
+  EXPECT_EQ(cached.total().kv_bytes_written, 2 * s.L * s.n_kv * s.hs * (p + n) * sizeof(double));
+}
+
+// A decode step streams every layer matrix, gain and the classifier once, plus its token's
+// embedding row; FLOPs are 2 per multiply-add of the layer matrices, the classifier and attention.
+TEST(CountersTest, DecodeStepWeightBytesAndFlops) {
+  for (const bool shared : {true, false}) {
+    ModelConfig cfg = small_config(4, 2, 64);
+    cfg.shared_classifier = shared;
+    const Shape s(cfg);
+    const Model<double> model(random_weights<double>(cfg, 7));
+    const auto prompt = random_tokens(10, cfg.vocab_size, 3);
+    ContiguousStore<double> cache(cfg);
+    Activations<double> act(cfg, 16);
+    model.prefill(prompt, cache, act);
+    WorkCounters c;
+    act.counters = &c;
+    model.decode(4, cache, act);  // cache index 10: sees 11 keys
+
+    std::uint64_t matrix_params = 0;  // multiply-adds per token of the layer projections
+    for (const auto& lw : model.weights().layers)
+      matrix_params += lw.wq.size() + lw.wk.size() + lw.wv.size() + lw.wo.size() + lw.w1.size() +
+                       lw.w2.size() + lw.w3.size();
+    const std::uint64_t keys = 11;
+    // With a separate classifier the embedding table is not streamed, only the token's row.
+    const std::uint64_t unread = shared ? 0 : model.weights().token_embedding.bytes();
+    EXPECT_EQ(c.decode.weight_bytes_read, model.weights().bytes() - unread + s.dim * sizeof(double))
+        << "shared " << shared;
+    EXPECT_EQ(c.decode.flops,
+              2 * matrix_params + 2 * s.vocab * s.dim + 2 * 2 * keys * s.hs * s.H * s.L)
+        << "shared " << shared;
+    EXPECT_EQ(c.decode.attention_scores, keys * s.H * s.L);
+    EXPECT_EQ(c.decode.kv_bytes_read, 2 * keys * s.n_kv * s.hs * s.L * sizeof(double));
+  }
+}
+
+// With bf16 weights a decode step reads half the weight bytes; the cache stays in f32.
+TEST(CountersTest, Bf16WeightsCountTheirOwnBytes) {
+  const ModelConfig cfg = small_config(4, 2, 32);
+  const Shape s(cfg);
+  const Model<float, bf16> model(convert_weights<bf16>(random_weights<float>(cfg, 9)));
+  ContiguousStore<float> cache(cfg);
+  Activations<float> act(cfg, 4);
+  WorkCounters c;
+  act.counters = &c;
+  model.decode(1, cache, act);
+  EXPECT_EQ(c.decode.weight_bytes_read, model.weights().bytes() + s.dim * sizeof(bf16));
+  EXPECT_EQ(c.decode.kv_bytes_written, 2 * s.n_kv * s.hs * s.L * sizeof(float));
+}
+
+// Chunking a prefill changes neither which K/V are computed nor which scores are visible.
+TEST(CountersTest, ChunkedPrefillCountsTheSameProjectionsAndScores) {
+  const ModelConfig cfg = small_config(4, 2, 64);
+  const Shape s(cfg);
+  const Model<double> model(random_weights<double>(cfg, 11));
+  const auto prompt = random_tokens(29, cfg.vocab_size, 4);
+  WorkCounters whole, chunked;
+  for (auto [chunk, counters] :
+       {std::pair{std::size_t{64}, &whole}, std::pair{std::size_t{8}, &chunked}}) {
+    ContiguousStore<double> cache(cfg);
+    Activations<double> act(cfg, chunk);
+    act.counters = counters;
+    model.prefill(prompt, cache, act);
+  }
+  EXPECT_EQ(chunked.prefill.tokens, whole.prefill.tokens);
+  EXPECT_EQ(chunked.prefill.kv_projections, 29 * s.L);
+  EXPECT_EQ(chunked.prefill.attention_scores, triangle(29) * s.H * s.L);
+  EXPECT_EQ(chunked.prefill.attention_scores, whole.prefill.attention_scores);
+  EXPECT_EQ(chunked.prefill.kv_bytes_written, whole.prefill.kv_bytes_written);
+  EXPECT_EQ(chunked.prefill.flops, whole.prefill.flops);
+}
+
+// Counting is observation only: the logits are bit-identical with and without counters, and
+// without a counters object nothing is recorded anywhere.
+TEST(CountersTest, CountingDoesNotChangeResults) {
+  const ModelConfig cfg = small_config(4, 2, 32);
+  const Model<float> model(random_weights<float>(cfg, 13));
+  const auto prompt = random_tokens(6, cfg.vocab_size, 5);
+  std::vector<std::vector<float>> logits[2];
+  for (const bool counted : {false, true}) {
+    ContiguousStore<float> cache(cfg);
+    Activations<float> act(cfg, 8);
+    WorkCounters c;
+    if (counted) act.counters = &c;
+    auto l = model.prefill(prompt, cache, act);
+    logits[counted].emplace_back(l.begin(), l.end());
+    l = model.decode(2, cache, act);
+    logits[counted].emplace_back(l.begin(), l.end());
+    EXPECT_EQ(c.total().tokens, counted ? 7u : 0u);
+  }
+  EXPECT_EQ(logits[0], logits[1]);
+}
+
+// A failed call (full cache) counts nothing, as it changes nothing.
+TEST(CountersTest, FailedCallCountsNothing) {
+  const ModelConfig cfg = small_config(4, 2, 4);
+  const Model<float> model(random_weights<float>(cfg, 13));
+  ContiguousStore<float> cache(cfg);
+  Activations<float> act(cfg, 4);
+  WorkCounters c;
+  act.counters = &c;
+  const std::vector<std::int32_t> four{1, 2, 3, 4};
+  model.prefill(four, cache, act);
+  const WorkCounters before = c;
+  EXPECT_THROW(model.decode(1, cache, act), Error);
+  EXPECT_EQ(c.prefill, before.prefill);
+  EXPECT_EQ(c.decode, before.decode);
+}
+
+}  // namespace
+}  // namespace kvdecode

@@ -1,0 +1,175 @@
+// Property tests: long random sequences of cache operations (prefill chunks, decodes, truncates,
+// resets, and appends that must fail) on a tiny model, every step checked against the no-cache
+// recompute forward_reference() of the tokens the store should hold. Seeded and reproducible:
+//   KVDECODE_PROPERTY_SEED=<seed printed by a failure>  KVDECODE_PROPERTY_OPS=<operations>
+// (default 10000 operations per store; the asan CI run uses the same default).
+//
+// The suite is typed over the store: a new store adds a PropertyStore specialisation and its
+// type to PropertyStores below (paged, quantized and windowed stores are being written).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kvdecode/kvdecode.hpp"
+#include "test_util.hpp"
+
+namespace {
+
+using kvdecode::Activations;
+using kvdecode::ContiguousStore;
+using kvdecode::Error;
+using kvdecode::Model;
+using kvdecode::ModelConfig;
+
+/// How to build a store for the property run and how close its logits must be to the reference
+/// (|Δ| <= kTolerance × (1 + |ref|)). A windowed store would also say which tokens it keeps.
+template <class Store>
+struct PropertyStore;
+
+template <>
+struct PropertyStore<ContiguousStore<float>> {
+  static ContiguousStore<float> make(const ModelConfig& cfg, std::size_t capacity) {
+    return ContiguousStore<float>(cfg, capacity);
+  }
+  static constexpr double kTolerance = 1e-5;
+};
+
+template <>
+struct PropertyStore<ContiguousStore<double>> {
+  static ContiguousStore<double> make(const ModelConfig& cfg, std::size_t capacity) {
+    return ContiguousStore<double>(cfg, capacity);
+  }
+  static constexpr double kTolerance = 1e-12;
+};
+
+std::uint64_t env_or(const char* name, std::uint64_t fallback) {
+  const char* v = std::getenv(name);
+  return v != nullptr && *v != '\0' ? std::strtoull(v, nullptr, 0) : fallback;
+}
+
+/// dim 16, 1 layer, 2 query heads on 1 kv head (GQA), vocab 11: the recompute costs microseconds.
+ModelConfig tiny_config() {
+  ModelConfig c;
+  c.dim = 16;
+  c.hidden_dim = 24;
+  c.n_layers = 1;
+  c.n_heads = 2;
+  c.n_kv_heads = 1;
+  c.vocab_size = 11;
+  c.seq_len = 24;
+  return c;
+}
+
+template <class Store>
+class PropertyTest : public ::testing::Test {};
+
+using PropertyStores = ::testing::Types<ContiguousStore<float>, ContiguousStore<double>>;
+TYPED_TEST_SUITE(PropertyTest, PropertyStores);
+
+TYPED_TEST(PropertyTest, RandomOperationsMatchTheNoCacheRecompute) {
+  using Store = TypeParam;
+  using T = typename Store::Scalar;
+  using Traits = PropertyStore<Store>;
+  const std::uint64_t seed = env_or("KVDECODE_PROPERTY_SEED", 20260308);
+  const std::uint64_t ops = env_or("KVDECODE_PROPERTY_OPS", 10000);
+  std::printf("property run: seed %llu, %llu operations (rerun with KVDECODE_PROPERTY_SEED=%llu)\n",
+              static_cast<unsigned long long>(seed), static_cast<unsigned long long>(ops),
+              static_cast<unsigned long long>(seed));
+
+  const ModelConfig cfg = tiny_config();
+  const Model<T> model(kvdecode::random_weights<T>(cfg, seed ^ 0x5EED));
+  const std::size_t capacity = 20;
+  const auto vocab = static_cast<std::size_t>(cfg.vocab_size);
+  Store store = Traits::make(cfg, capacity);
+  Activations<T> act(cfg, 4, store.block_scratch_size());  // chunks of 4: prefill splits longer
+  kvdecode::detail::SplitMix64 rng(seed);
+  const auto below = [&](std::size_t n) { return static_cast<std::size_t>(rng.next() % n); };
+  const auto random_token = [&] { return static_cast<std::int32_t>(below(vocab)); };
+
+  std::vector<std::int32_t> expected;  // the tokens the store should hold
+  std::vector<T> all_logits;
+  std::size_t counts[7] = {};
+  const auto check_row = [&](std::span<const T> logits, std::size_t position,
+                             const std::vector<T>& ref, std::uint64_t op) {
+    for (std::size_t i = 0; i < vocab; ++i) {
+      const double r = ref[position * vocab + i];
+      ASSERT_NEAR(logits[i], r, Traits::kTolerance * (1 + std::abs(r)))
+          << "seed " << seed << " operation " << op << " position " << position << " logit " << i;
+    }
+  };
+  const auto check_unchanged = [&](std::uint64_t op) {
+    ASSERT_EQ(store.size(), expected.size()) << "seed " << seed << " operation " << op;
+    ASSERT_EQ(store.pending(), 0u);
+    const auto t = store.tokens();
+    ASSERT_EQ(std::vector<std::int32_t>(t.begin(), t.end()), expected)
+        << "seed " << seed << " operation " << op;
+  };
+
+  for (std::uint64_t op = 0; op < ops; ++op) {
+    const std::size_t room = capacity - expected.size();
+    const std::size_t kind = below(100);
+    if (kind < 35 && room > 0) {  // prefill a chunk, sometimes asking for every position's logits
+      ++counts[0];
+      std::vector<std::int32_t> chunk(1 + below(std::min<std::size_t>(room, 9)));
+      for (auto& t : chunk) t = random_token();
+      const bool want_all = below(4) == 0;
+      all_logits.assign(want_all ? chunk.size() * vocab : 0, T{});
+      const auto last = model.prefill(chunk, store, act, std::span<T>(all_logits));
+      const std::size_t first = expected.size();
+      expected.insert(expected.end(), chunk.begin(), chunk.end());
+      const std::vector<T> ref = model.forward_reference(expected);
+      check_row(last, expected.size() - 1, ref, op);
+      for (std::size_t i = 0; want_all && i < chunk.size(); ++i)
+        check_row(std::span<const T>(all_logits).subspan(i * vocab, vocab), first + i, ref, op);
+    } else if (kind < 70 && room > 0) {  // decode one token
+      ++counts[1];
+      const std::int32_t token = random_token();
+      const auto logits = model.decode(token, store, act);
+      expected.push_back(token);
+      check_row(logits, expected.size() - 1, model.forward_reference(expected), op);
+    } else if (kind < 80) {  // truncate (rollback) to any length, including the current one
+      ++counts[2];
+      const std::size_t n = below(expected.size() + 1);
+      store.truncate(n);
+      expected.resize(n);
+    } else if (kind < 83) {  // reset
+      ++counts[3];
+      store.reset();
+      expected.clear();
+    } else if (kind < 90) {  // an append past the capacity: refused, nothing changes
+      ++counts[4];
+      std::vector<std::int32_t> chunk(room + 1 + below(3));
+      for (auto& t : chunk) t = random_token();
+      if (chunk.size() == 1) {
+        EXPECT_THROW(model.decode(chunk[0], store, act), Error);
+      } else {
+        EXPECT_THROW(model.prefill(chunk, store, act), Error);
+      }
+    } else if (kind < 97) {  // a chunk with one bad token id: refused, nothing changes
+      ++counts[5];
+      std::vector<std::int32_t> chunk(1 + below(5));
+      for (auto& t : chunk) t = random_token();
+      chunk[below(chunk.size())] = below(2) == 0 ? -1 : static_cast<std::int32_t>(vocab + below(3));
+      EXPECT_THROW(model.prefill(chunk, store, act), Error);
+    } else {  // a truncate beyond the size: refused, nothing changes
+      ++counts[6];
+      EXPECT_THROW(store.truncate(expected.size() + 1 + below(3)), Error);
+    }
+    check_unchanged(op);
+    if (::testing::Test::HasFatalFailure()) return;
+  }
+  std::printf(
+      "  prefill %zu, decode %zu, truncate %zu, reset %zu, over capacity %zu, bad token "
+      "%zu, bad truncate %zu\n",
+      counts[0], counts[1], counts[2], counts[3], counts[4], counts[5], counts[6]);
+  // Every kind of operation ran often enough to matter.
+  for (const std::size_t c : counts) EXPECT_GT(c, ops / 100);
+}
+
+}  // namespace

@@ -1,0 +1,154 @@
+// Decode with a thread pool equals decode without, bit for bit (every GEMV row and attention
+// head is computed by the same arithmetic on whichever thread takes it); prefill with a pool is
+// within the f32 bound (Eigen's GEMM may block a column slice differently). And the bf16-weight
+// model against the f32 model, within a bound derived from bf16's rounding.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "kvdecode/io/checkpoint.hpp"
+#include "kvdecode/kvdecode.hpp"
+#include "test_util.hpp"
+
+namespace kvdecode {
+namespace {
+
+using testing_util::max_abs_diff;
+using testing_util::random_tokens;
+
+/// Large enough that every projection passes kMinParallelWeights (dim × dim = 65536) and
+/// attention passes kMinParallelAttention, so the pool really splits the work; GQA 8/2.
+ModelConfig threaded_config() {
+  ModelConfig c;
+  c.dim = 256;
+  c.hidden_dim = 400;  // not a multiple of 16 × threads: uneven shares
+  c.n_layers = 2;
+  c.n_heads = 8;
+  c.n_kv_heads = 2;
+  c.vocab_size = 1000;
+  c.seq_len = 80;
+  return c;
+}
+
+template <class W>
+void expect_pool_decode_bit_identical(const Model<float, W>& model) {
+  const ModelConfig& cfg = model.config();
+  const auto tokens = random_tokens(static_cast<std::size_t>(cfg.seq_len), cfg.vocab_size, 5);
+  ContiguousStore<float> plain_cache(cfg);
+  Activations<float> plain(cfg);
+  std::vector<std::vector<float>> expected;
+  for (const auto t : tokens) {
+    const auto l = model.decode(t, plain_cache, plain);
+    expected.emplace_back(l.begin(), l.end());
+  }
+  for (const std::size_t threads : {1, 2, 3}) {
+    ThreadPool pool(threads);
+    ContiguousStore<float> cache(cfg);
+    Activations<float> act(cfg, 1, 0, &pool);
+    for (std::size_t p = 0; p < tokens.size(); ++p) {
+      const auto l = model.decode(tokens[p], cache, act);
+      ASSERT_TRUE(std::equal(l.begin(), l.end(), expected[p].begin()))
+          << threads << " threads, position " << p;
+    }
+    EXPECT_TRUE(testing_util::same_contents(cache, plain_cache, tokens.size()));
+  }
+}
+
+TEST(ThreadsTest, PoolDecodeEqualsSingleThreadF32) {
+  expect_pool_decode_bit_identical(Model<float>(random_weights<float>(threaded_config(), 3)));
+}
+
+TEST(ThreadsTest, PoolDecodeEqualsSingleThreadBf16) {
+  expect_pool_decode_bit_identical(
+      Model<float, bf16>(convert_weights<bf16>(random_weights<float>(threaded_config(), 3))));
+}
+
+TEST(ThreadsTest, PoolPrefillMatchesReference) {
+  const ModelConfig cfg = threaded_config();
+  const Model<float> model(random_weights<float>(cfg, 4));
+  const auto tokens = random_tokens(40, cfg.vocab_size, 6);
+  const std::vector<float> ref = model.forward_reference(tokens);
+  double scale = 0;
+  for (const float v : ref) scale = std::max(scale, static_cast<double>(std::abs(v)));
+  for (const std::size_t threads : {1, 2, 3}) {
+    ThreadPool pool(threads);
+    ContiguousStore<float> cache(cfg);
+    Activations<float> act(cfg, 16, 0, &pool);  // chunks of 16: 16, 16, 8
+    std::vector<float> all(ref.size());
+    model.prefill(tokens, cache, act, std::span<float>(all));
+    EXPECT_LE(max_abs_diff(all, ref), 1e-5 * (1 + scale)) << threads << " threads";
+  }
+}
+
+TEST(ThreadsTest, ActivationsRejectALargerPoolThanTheyWereSizedFor) {
+  const ModelConfig cfg = threaded_config();
+  const Model<float> model(random_weights<float>(cfg, 4));
+  ContiguousStore<float> cache(cfg);
+  Activations<float> act(cfg);  // sized for one thread
+  ThreadPool pool(2);
+  act.pool = &pool;
+  EXPECT_THROW(model.decode(1, cache, act), Error);
+  EXPECT_EQ(cache.size(), 0u);
+}
+
+// ---------------------------------------------------------------------------------------------
+// bf16 weights against the f32 model.
+//
+// Bound, derived before measuring (u = 2^-8, bf16's unit roundoff): decode rounds every weight
+// and every projection input to bf16, so each of the M = 7 n_layers + 1 weight matrices on the
+// path perturbs its output by at most 2u relative (|Σ w̃x̃ - Σ wx| ≤ (2u + u²) Σ|wx|, and
+// Σ|wx| is of the order of ‖y‖ for these incoherent random weights). To first order the
+// perturbations add, and RMSNorm renormalises the residual before every block, so the logits'
+// normalised error ‖Δ‖₂/‖logits‖₂ ≤ M · 2u. Prefill rounds only the weights (≤ M · u).
+// ---------------------------------------------------------------------------------------------
+
+double normalised_error(std::span<const float> got, std::span<const float> ref) {
+  double d = 0, r = 0;
+  for (std::size_t i = 0; i < ref.size(); ++i) {
+    d += (static_cast<double>(got[i]) - ref[i]) * (static_cast<double>(got[i]) - ref[i]);
+    r += static_cast<double>(ref[i]) * ref[i];
+  }
+  return std::sqrt(d / r);
+}
+
+TEST(Bf16ModelTest, LogitsWithinDerivedBoundOfF32Model) {
+  ModelConfig cfg = threaded_config();
+  cfg.n_layers = 4;
+  const Weights<float> w = random_weights<float>(cfg, 9);
+  const Model<float, bf16> bf(convert_weights<bf16>(w));
+  const Model<float> f32(convert_weights<float>(w));
+  const double u = 0x1p-8;
+  const double m = 7.0 * static_cast<double>(cfg.n_layers) + 1;
+  const auto tokens = random_tokens(static_cast<std::size_t>(cfg.seq_len), cfg.vocab_size, 7);
+  ContiguousStore<float> cb(cfg), cf(cfg);
+  Activations<float> ab(cfg), af(cfg);
+  double worst = 0;
+  for (const auto t : tokens) {
+    const auto lb = bf.decode(t, cb, ab);
+    const auto lf = f32.decode(t, cf, af);
+    worst = std::max(worst, normalised_error(lb, lf));
+  }
+  EXPECT_LE(worst, m * 2 * u);
+  std::printf("bf16 decode: worst normalised logit error %.4g, bound M·2u = %.4g\n", worst,
+              m * 2 * u);
+
+  ContiguousStore<float> pb(cfg), pf(cfg);
+  Activations<float> xb(cfg, 32), xf(cfg, 32);
+  const auto vocab = static_cast<std::size_t>(cfg.vocab_size);
+  std::vector<float> all_b(tokens.size() * vocab), all_f(all_b.size());
+  bf.prefill(tokens, pb, xb, std::span<float>(all_b));
+  f32.prefill(tokens, pf, xf, std::span<float>(all_f));
+  double worst_prefill = 0;
+  for (std::size_t p = 0; p < tokens.size(); ++p)
+    worst_prefill = std::max(
+        worst_prefill, normalised_error(std::span<const float>(all_b).subspan(p * vocab, vocab),
+                                        std::span<const float>(all_f).subspan(p * vocab, vocab)));
+  EXPECT_LE(worst_prefill, m * u);
+  std::printf("bf16 prefill: worst normalised logit error %.4g, bound M·u = %.4g\n", worst_prefill,
+              m * u);
+}
+
+}  // namespace
+}  // namespace kvdecode

@@ -1,0 +1,246 @@
+// WindowStore: the conformance suite for both policies; a trained window equals
+// forward_reference(w, tokens, W) under chunked prefill and decode, through eviction, cancel and
+// rollback; streaming keeps its memory bounded past seq_len and gives kept tokens the positions
+// of a fresh forward over them.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <memory>
+#include <vector>
+
+#include "kvdecode/io/checkpoint.hpp"
+#include "kvdecode/window_store.hpp"
+#include "store_conformance.hpp"
+
+namespace kvdecode::testing_util {
+
+/// The streaming policy as a type of its own, so the typed suite can run both.
+template <class T>
+struct StreamingWindowStore : WindowStore<T> {
+  using WindowStore<T>::WindowStore;
+};
+
+// The suite's decode test compares with the unwindowed reference, so these windows cover its 40
+// positions; eviction is tested below.
+template <class T>
+struct StoreTraits<WindowStore<T>> {
+  struct Holder {
+    WindowStore<T> s;
+    WindowStore<T>& store() { return s; }
+  };
+  static std::unique_ptr<Holder> make(const ModelConfig& cfg, std::size_t capacity) {
+    return std::make_unique<Holder>(Holder{WindowStore<T>(
+        cfg, {.window = capacity, .sinks = 0, .max_chunk = 16, .max_positions = capacity})});
+  }
+  static constexpr bool kExactRows = true;
+  static constexpr double kRowTolerance = 0;
+  static constexpr double kLogitTolerance = std::is_same_v<T, float> ? 1e-5 : 1e-12;
+  static constexpr bool kFullHistory = false;
+};
+template <class T>
+struct StoreTraits<StreamingWindowStore<T>> {
+  struct Holder {
+    StreamingWindowStore<T> s;
+    StreamingWindowStore<T>& store() { return s; }
+  };
+  static std::unique_ptr<Holder> make(const ModelConfig& cfg, std::size_t capacity) {
+    return std::make_unique<Holder>(Holder{StreamingWindowStore<T>(
+        cfg, {.window = capacity - 4, .sinks = 4, .policy = WindowPolicy::kStreaming,
+              .max_chunk = 16, .max_positions = capacity})});
+  }
+  static constexpr bool kExactRows = true;
+  static constexpr double kRowTolerance = 0;
+  static constexpr double kLogitTolerance = std::is_same_v<T, float> ? 1e-5 : 1e-12;
+  static constexpr bool kFullHistory = false;
+};
+
+using WindowStores = ::testing::Types<WindowStore<float>, WindowStore<double>,
+                                      StreamingWindowStore<float>, StreamingWindowStore<double>>;
+INSTANTIATE_TYPED_TEST_SUITE_P(Window, StoreConformance, WindowStores);
+
+namespace {
+
+template <class T>
+void expect_logits_near(std::span<const T> got, const std::vector<T>& ref, std::size_t row,
+                        std::size_t vocab, double tol, const std::string& what) {
+  for (std::size_t i = 0; i < vocab; ++i) {
+    const double r = ref[row * vocab + i];
+    ASSERT_NEAR(got[i], r, tol * (1 + std::abs(r))) << what << " position " << row << " logit " << i;
+  }
+}
+
+// Prefill in chunks of `chunk` (one prefill call each, so each chunk is its own append), then
+// decode; every position's logits against forward_reference(w, tokens, W).
+template <class T>
+void run_trained_window(const Model<T>& model, std::span<const std::int32_t> tokens,
+                        std::size_t window, std::size_t chunk, std::size_t n_prefill, double tol) {
+  const ModelConfig& cfg = model.config();
+  const auto vocab = static_cast<std::size_t>(cfg.vocab_size);
+  const std::vector<T> ref = forward_reference(model.weights(), tokens, window);
+  WindowStore<T> s(cfg, {.window = window, .max_chunk = chunk, .max_positions = tokens.size()});
+  Activations<T> act(cfg, chunk, s.block_scratch_size());
+  const std::string what = "W=" + std::to_string(window) + " chunk=" + std::to_string(chunk);
+  std::vector<T> logits(chunk * vocab);
+  for (std::size_t p = 0; p < n_prefill; p += chunk) {
+    const std::size_t m = std::min(chunk, n_prefill - p);
+    model.prefill(tokens.subspan(p, m), s, act, std::span<T>(logits).first(m * vocab));
+    for (std::size_t i = 0; i < m; ++i)
+      expect_logits_near<T>(std::span<const T>(logits).subspan(i * vocab, vocab), ref, p + i,
+                            vocab, tol, what);
+  }
+  for (std::size_t p = n_prefill; p < tokens.size(); ++p)
+    expect_logits_near<T>(model.decode(tokens[p], s, act), ref, p, vocab, tol, what);
+  // Memory stays that of W - 1 + chunk ring slots however long the sequence.
+  EXPECT_EQ(s.memory_bytes(), WindowStore<T>::memory_bytes_for(
+                                  cfg, {.window = window, .max_chunk = chunk}));
+}
+
+TEST(WindowStoreTest, TrainedWindowEqualsTheWindowedReference) {
+  for (const auto& [heads, kv] : {std::pair{4, 2}, std::pair{4, 4}, std::pair{4, 1}}) {
+    ModelConfig cfg = small_config(heads, kv, 64);
+    if (kv == 1) cfg.rope_style = RopeStyle::kHalfSplit;
+    const Model<float> model(random_weights<float>(cfg, 40 + static_cast<std::uint64_t>(kv)));
+    const auto tokens = random_tokens(45, cfg.vocab_size, 7);
+    for (const std::size_t window : {1u, 6u, 16u}) {
+      for (const std::size_t chunk : {1u, 5u, 12u}) run_trained_window<float>(model, tokens, window, chunk, 30, 1e-5);
+    }
+  }
+  const ModelConfig cfg = small_config(4, 2, 64);
+  const Model<double> model(random_weights<double>(cfg, 5));
+  run_trained_window<double>(model, random_tokens(40, cfg.vocab_size, 8), 7, 4, 21, 1e-12);
+}
+
+TEST(WindowStoreTest, FixtureModelWithAWindow) {
+  const Model<float> model(
+      load_checkpoint(std::filesystem::path(KVDECODE_TEST_DATA_DIR) / "llama2c-tiny" / "model.bin"));
+  const auto tokens = random_tokens(100, model.config().vocab_size, 9);
+  run_trained_window<float>(model, tokens, 24, 16, 60, 1e-4);
+}
+
+// One append longer than the ring is fine on an empty store (nothing to restore on cancel), as
+// long as each attend() call (the Activations' max_tokens) stays within max_chunk.
+TEST(WindowStoreTest, OneLongPrefillInChunksOfMaxChunk) {
+  const ModelConfig cfg = small_config(4, 2, 64);
+  const Model<float> model(random_weights<float>(cfg, 3));
+  const auto tokens = random_tokens(50, cfg.vocab_size, 4);
+  const auto vocab = static_cast<std::size_t>(cfg.vocab_size);
+  const std::vector<float> ref = forward_reference(model.weights(), tokens, 8);
+  WindowStore<float> s(cfg, {.window = 8, .max_chunk = 6, .max_positions = 64});
+  Activations<float> act(cfg, 6, 0);
+  std::vector<float> all(tokens.size() * vocab);
+  model.prefill(tokens, s, act, all);
+  for (std::size_t p = 0; p < tokens.size(); ++p)
+    expect_logits_near<float>(std::span<const float>(all).subspan(p * vocab, vocab), ref, p, vocab,
+                              1e-5, "long prefill");
+  // Now non-empty: an append that would overwrite keys a cancel must restore is refused.
+  EXPECT_THROW(s.begin_append(random_tokens(7, cfg.vocab_size, 1)), Error);
+  EXPECT_EQ(s.pending(), 0u);
+}
+
+TEST(WindowStoreTest, CancelAndRollbackAfterEviction) {
+  const ModelConfig cfg = small_config(4, 2, 64);
+  const Model<float> model(random_weights<float>(cfg, 6));
+  const auto tokens = random_tokens(40, cfg.vocab_size, 5);
+  const auto vocab = static_cast<std::size_t>(cfg.vocab_size);
+  const std::vector<float> ref = forward_reference(model.weights(), tokens, 6);
+  WindowStore<float> s(cfg, {.window = 6, .max_chunk = 4, .max_positions = 64});
+  Activations<float> act(cfg, 4, 0);
+  const std::span<const std::int32_t> t(tokens);
+  for (std::size_t p = 0; p < 24; p += 4) model.prefill(t.subspan(p, 4), s, act);
+  // A failed chunk: junk rows written to every layer, then cancelled.
+  s.begin_append(t.subspan(24, 4));
+  const std::vector<float> junk(32, 50.0f);
+  for (std::size_t l = 0; l < 2; ++l)
+    for (std::size_t i = 0; i < 4; ++i) s.write(l, i, junk.data(), junk.data());
+  s.cancel_append();
+  EXPECT_EQ(s.size(), 24u);
+  expect_logits_near<float>(model.decode(tokens[24], s, act), ref, 24, vocab, 1e-5, "after cancel");
+  for (std::size_t p = 25; p < 30; ++p) (void)model.decode(tokens[p], s, act);
+  s.truncate(26);  // back 4 = max_chunk: the keys position 26 needs are still resident
+  for (std::size_t p = 26; p < 40; ++p)
+    expect_logits_near<float>(model.decode(tokens[p], s, act), ref, p, vocab, 1e-5, "rollback");
+  EXPECT_THROW(s.truncate(35), Error);  // back 5 > max_chunk
+  EXPECT_EQ(s.size(), 40u);
+}
+
+// --- Streaming ------------------------------------------------------------------------------
+
+/// The kept tokens of query q under the streaming policy: the S sinks, then q's W newest.
+std::vector<std::int32_t> kept(const std::vector<std::int32_t>& t, std::size_t q, std::size_t S,
+                               std::size_t W) {
+  std::vector<std::int32_t> k(t.begin(), t.begin() + static_cast<std::ptrdiff_t>(S));
+  for (std::size_t i = std::max(S, q + 1 - std::min(q + 1, W)); i <= q; ++i) k.push_back(t[i]);
+  return k;
+}
+
+// With one layer the K/V of a token depend on nothing but the token and its RoPE position, so
+// the logits of query q must equal those of a fresh forward over the kept tokens at slot
+// positions 0 .. S+W-1 (StreamingLLM's assignment): this checks the re-rotation after every
+// eviction, in both RoPE conventions.
+TEST(WindowStoreTest, StreamingPositionsMatchAFreshForwardOverTheKeptTokens) {
+  for (const RopeStyle style : {RopeStyle::kAdjacentPairs, RopeStyle::kHalfSplit}) {
+    ModelConfig cfg = small_config(4, 2, 32);
+    cfg.n_layers = 1;
+    cfg.rope_style = style;
+    const Model<float> model(random_weights<float>(cfg, 12));
+    const std::size_t S = 4, W = 10, n = 3 * 32;  // three times seq_len
+    const auto tokens = random_tokens(n, cfg.vocab_size, 13);
+    const auto vocab = static_cast<std::size_t>(cfg.vocab_size);
+    WindowStore<float> s(cfg, {.window = W, .sinks = S, .policy = WindowPolicy::kStreaming,
+                               .max_chunk = 8, .max_positions = n});
+    Activations<float> act(cfg, 8, s.block_scratch_size());
+    const std::size_t bytes = s.memory_bytes();
+    model.prefill(std::span<const std::int32_t>(tokens).first(8), s, act);
+    for (std::size_t q = 8; q < n; ++q) {
+      const auto logits = model.decode(tokens[q], s, act);
+      const auto k = kept(tokens, q, S, W);
+      const std::vector<float> ref = forward_reference(model.weights(), k);
+      expect_logits_near<float>(logits, ref, k.size() - 1, vocab, 2e-5, "streaming");
+    }
+    EXPECT_EQ(s.memory_bytes(), bytes);  // bounded: nothing grows past seq_len
+    EXPECT_EQ(s.size(), n);
+    EXPECT_EQ(s.rope_position(n - 1), S + W - 1);
+  }
+}
+
+// With several layers the kept keys of layer 0 still depend only on token and position: the
+// keys the store serves query q must be those a fresh cache of the kept tokens holds.
+TEST(WindowStoreTest, StreamingLayerZeroKeysEqualAFreshCacheOfTheKeptTokens) {
+  const ModelConfig cfg = small_config(4, 2, 64);
+  const Model<double> model(random_weights<double>(cfg, 14));
+  const std::size_t S = 2, W = 7, n = 60;
+  const auto tokens = random_tokens(n, cfg.vocab_size, 15);
+  WindowStore<double> s(cfg, {.window = W, .sinks = S, .policy = WindowPolicy::kStreaming,
+                              .max_chunk = 1, .max_positions = n});
+  Activations<double> act(cfg, 1, s.block_scratch_size());
+  for (std::size_t q = 0; q < n; ++q) {
+    (void)model.decode(tokens[q], s, act);
+    const auto k = kept(tokens, q, S, W);
+    ContiguousStore<double> fresh(cfg, k.size());
+    Activations<double> fa(cfg, 16, 0);
+    model.prefill(k, fresh, fa);
+    for (std::size_t h = 0; h < 2; ++h) {
+      const auto g = gather(s, 0, h, q + 1);
+      ASSERT_EQ(g.indices.size(), k.size()) << "query " << q;
+      for (std::size_t r = 0; r < k.size(); ++r)
+        for (std::size_t i = 0; i < 16; ++i) {
+          ASSERT_NEAR(g.keys[r][i], fresh.key(0, h, r)[i], 1e-12) << "query " << q << " row " << r;
+          ASSERT_EQ(g.values[r][i], fresh.value(0, h, r)[i]);
+        }
+    }
+  }
+}
+
+TEST(WindowStoreTest, StreamingRefusesChunksPastAFullCacheAndBadOptions) {
+  const ModelConfig cfg = small_config(4, 2, 64);
+  WindowStore<float> s(cfg, {.window = 6, .sinks = 2, .policy = WindowPolicy::kStreaming,
+                             .max_chunk = 8, .max_positions = 100});
+  EXPECT_THROW(s.begin_append(test_tokens(0, 9)), Error);  // 9 > S + W
+  s.begin_append(test_tokens(0, 8));                        // = S + W: nothing evicted yet
+  s.cancel_append();
+  EXPECT_THROW(WindowStore<float>(cfg, {.window = 0}), Error);
+  EXPECT_THROW(WindowStore<float>(cfg, {.window = 4, .max_chunk = 0}), Error);
+}
+
+}  // namespace
+}  // namespace kvdecode::testing_util

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Runs the KV-cache benchmark suite (decode, generate, prefill, attention, memory) with JSON
+# output, then draws docs/charts/*.png and rewrites the generated tables of docs/RESULTS.md.
+#
+#   tools/run_benchmarks.sh                # full run, ~6 minutes on 2 cores
+#   BUILD_DIR=/tmp/b tools/run_benchmarks.sh
+#   KVDECODE_BENCH_SMOKE=1 tools/run_benchmarks.sh   # tiny ranges, to test this script only
+#
+# Needs gnuplot (installs Debian's gnuplot-nox with apt-get only when it is missing).
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+BUILD_DIR="${BUILD_DIR:-/tmp/build-bench}"
+OUT_DIR="${OUT_DIR:-${BUILD_DIR}/results}"
+BENCHES=(memory_bench attention_bench decode_bench prefill_bench generate_bench)
+
+if ! command -v gnuplot >/dev/null 2>&1; then
+  echo "== gnuplot missing: installing gnuplot-nox from Debian"
+  if [ "$(id -u)" -eq 0 ]; then SUDO=""; else SUDO="sudo"; fi
+  $SUDO apt-get update -qq
+  $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gnuplot-nox >/dev/null
+fi
+
+echo "== building ${BENCHES[*]} in ${BUILD_DIR}"
+cmake -S "${ROOT}" -B "${BUILD_DIR}" -DCMAKE_BUILD_TYPE=Release -DKVDECODE_BUILD_EXAMPLES=OFF \
+  >/dev/null
+cmake --build "${BUILD_DIR}" -j2 --target "${BENCHES[@]}"
+
+mkdir -p "${OUT_DIR}"
+# The machine, for the report.
+{
+  echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  echo "commit: $(git -C "${ROOT}" rev-parse --short HEAD 2>/dev/null || echo unknown)$(git -C "${ROOT}" diff --quiet 2>/dev/null || echo ' (+ uncommitted changes)')"
+  echo "cpu: $(lscpu | sed -n 's/^Model name: *//p' | head -1)"
+  echo "cpu_family_model: $(lscpu | sed -n 's/^CPU family: *//p' | head -1)/$(lscpu | sed -n 's/^Model: *//p' | head -1)"
+  echo "cores: $(nproc)"
+  echo "avx512: $(grep -q avx512f /proc/cpuinfo && echo yes || echo no)"
+  echo "memory: $(free -g | awk '/^Mem:/ {print $2 " GiB"}')"
+  echo "compiler: $(c++ --version | head -1)"
+  echo "kernel: $(uname -r)"
+} > "${OUT_DIR}/machine.txt"
+cat "${OUT_DIR}/machine.txt"
+
+start=$(date +%s)
+for b in "${BENCHES[@]}"; do
+  echo "== ${b}"
+  # Repetitions, ranges and units are fixed in the sources; min_time 0.2 s per point.
+  "${BUILD_DIR}/bench/${b}" --benchmark_min_time=0.2 \
+    --benchmark_out="${OUT_DIR}/${b}.json" --benchmark_out_format=json \
+    --benchmark_counters_tabular=false
+done
+echo "== suite took $(( $(date +%s) - start )) s"
+
+python3 "${ROOT}/tools/plot_results.py" --results "${OUT_DIR}" --charts "${ROOT}/docs/charts" \
+  --markdown "${ROOT}/docs/RESULTS.md"
