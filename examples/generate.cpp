@@ -4,14 +4,13 @@
 //   generate [--model FILE --tokenizer FILE] [--prompt TEXT] [-n N] [--temperature T]
 //            [--top-p P] [--top-k K] [--seed S] [--threads N] [--chunk N] [--no-cache]
 //            [--stats] [--help]
-#include <kvdecode/io/checkpoint.hpp>
-#include <kvdecode/kvdecode.hpp>
-#include <kvdecode/tokenizer.hpp>
-
 #include <charconv>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <kvdecode/io/checkpoint.hpp>
+#include <kvdecode/kvdecode.hpp>
+#include <kvdecode/tokenizer.hpp>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -134,16 +133,19 @@ kvdecode::ModelConfig builtin_config() {
 
 kvdecode::Tokenizer builtin_tokenizer(std::int64_t vocab_size) {
   static constexpr const char* kWords[] = {
-      "the", "and", "was", "to", "a", "he", "she", "they", "it", "of", "in", "day", "time",
-      "once", "upon", "there", "little", "big", "girl", "boy", "dog", "cat", "bird", "tree",
-      "house", "park", "ball", "sun", "sky", "happy", "sad", "friend", "friends", "play",
-      "played", "went", "saw", "said", "wanted", "liked", "had", "with", "her", "his", "mom",
-      "dad", "one", "very", "so", "but", "then", "all", "not", "is", "you", "we", "on", "at",
-      "up", "out", "red", "blue", "green", "small", "old", "new", "good", "fun", "run", "ran",
-      "see", "look", "home", "water", "food", "toy", "car", "book", "name", "named", "lily",
-      "tom", "ben", "mia", "sam", "lived", "loved", "found", "came", "made", "asked", "help",
-      "helped", "nice", "kind", "brave", "smiled", "laughed", "every", "morning", "night",
-      "garden", "forest", "flower", "fish", "boat", "rain", "snow", "cake", "bear", "duck"};
+      "the",     "and",   "was",    "to",     "a",      "he",      "she",    "they",    "it",
+      "of",      "in",    "day",    "time",   "once",   "upon",    "there",  "little",  "big",
+      "girl",    "boy",   "dog",    "cat",    "bird",   "tree",    "house",  "park",    "ball",
+      "sun",     "sky",   "happy",  "sad",    "friend", "friends", "play",   "played",  "went",
+      "saw",     "said",  "wanted", "liked",  "had",    "with",    "her",    "his",     "mom",
+      "dad",     "one",   "very",   "so",     "but",    "then",    "all",    "not",     "is",
+      "you",     "we",    "on",     "at",     "up",     "out",     "red",    "blue",    "green",
+      "small",   "old",   "new",    "good",   "fun",    "run",     "ran",    "see",     "look",
+      "home",    "water", "food",   "toy",    "car",    "book",    "name",   "named",   "lily",
+      "tom",     "ben",   "mia",    "sam",    "lived",  "loved",   "found",  "came",    "made",
+      "asked",   "help",  "helped", "nice",   "kind",   "brave",   "smiled", "laughed", "every",
+      "morning", "night", "garden", "forest", "flower", "fish",    "boat",   "rain",    "snow",
+      "cake",    "bear",  "duck"};
   std::vector<std::string> pieces = {"<unk>", "\n<s>\n", "\n</s>\n"};
   std::vector<float> scores = {0, 0, 0};
   char hex[8];
@@ -200,19 +202,20 @@ int run(const Options& o) {
 
   // Echo the prompt as run.c does: every piece after BOS, through its safe_printf rule.
   for (std::size_t i = 1; i < prompt.size(); ++i)
-    std::fputs(std::string(Tokenizer::printed_text(tokenizer->decode(prompt[i - 1], prompt[i]))).c_str(),
-               stdout);
+    std::fputs(
+        std::string(Tokenizer::printed_text(tokenizer->decode(prompt[i - 1], prompt[i]))).c_str(),
+        stdout);
   std::fflush(stdout);
   std::int32_t prev = prompt.back();
-  const GenerationStats st =
-      generate(*model, cache, act, std::span<const std::int32_t>(prompt), sampler, gen,
-               [&](std::int32_t token) {
-                 if (token == Tokenizer::kBos) return;
-                 const std::string_view text = Tokenizer::printed_text(tokenizer->decode(prev, token));
-                 std::fwrite(text.data(), 1, text.size(), stdout);
-                 std::fflush(stdout);
-                 prev = token;
-               });
+  const GenerationStats st = generate(*model, cache, act, std::span<const std::int32_t>(prompt),
+                                      sampler, gen, [&](std::int32_t token) {
+                                        if (token == Tokenizer::kBos) return;
+                                        const std::string_view text =
+                                            Tokenizer::printed_text(tokenizer->decode(prev, token));
+                                        std::fwrite(text.data(), 1, text.size(), stdout);
+                                        std::fflush(stdout);
+                                        prev = token;
+                                      });
   std::fputs("\n", stdout);
   std::fflush(stdout);
 
@@ -229,7 +232,9 @@ int run(const Options& o) {
                static_cast<unsigned long long>(o.seed));
   std::fprintf(out, "prompt tokens      %zu\n", st.prompt_tokens);
   std::fprintf(out, "generated tokens   %zu%s\n", st.generated_tokens,
-               st.hit_stop_token ? " (stopped at BOS)" : st.hit_capacity ? " (cache full)" : "");
+               st.hit_stop_token ? " (stopped at BOS)"
+               : st.hit_capacity ? " (cache full)"
+                                 : "");
   std::fprintf(out, "prefill            %.2f ms, %.1f tok/s\n", st.prefill_ms,
                st.prefill_tokens_per_s());
   std::fprintf(out, "time to first tok  %.2f ms\n", st.ttft_ms);

@@ -47,8 +47,8 @@ void expect_decode_allocates_nothing(const ModelConfig& cfg) {
   ContiguousStore<T> cache(cfg);
   Activations<T> act(cfg);
   Sampler sampler(cfg.vocab_size, SamplerOptions{0.8, 0.9, 5, 42});
-  const auto tokens = testing_util::random_tokens(static_cast<std::size_t>(cfg.seq_len),
-                                                  cfg.vocab_size, 1);
+  const auto tokens =
+      testing_util::random_tokens(static_cast<std::size_t>(cfg.seq_len), cfg.vocab_size, 1);
   model.decode(tokens[0], cache, act);  // warm-up outside the counted region
   const long before = g_allocations.load();
   Eigen::internal::set_is_malloc_allowed(false);

@@ -46,11 +46,17 @@ TEST(ModelConfigTest, EachBrokenRuleIsNamed) {
        "n_heads (4) must be a multiple of n_kv_heads (8)"},
       {"odd head size", [](ModelConfig& c) { c.dim = 36; },
        "head_size = dim / n_heads = 36 / 4 = 9 must be even"},
-      {"theta", [](ModelConfig& c) { c.rope_theta = 0.5; }, "rope_theta (0.5) must be greater than 1"},
+      {"theta", [](ModelConfig& c) { c.rope_theta = 0.5; },
+       "rope_theta (0.5) must be greater than 1"},
       {"eps", [](ModelConfig& c) { c.norm_eps = 0; }, "norm_eps (0) must lie in (0, 1)"},
       {"huge vocab", [](ModelConfig& c) { c.vocab_size = std::int64_t{1} << 33; },
        "vocab_size (8589934592) must fit in int32"},
-      {"huge dim", [](ModelConfig& c) { c.dim = std::int64_t{1} << 30; c.n_heads = 1; c.n_kv_heads = 1; },
+      {"huge dim",
+       [](ModelConfig& c) {
+         c.dim = std::int64_t{1} << 30;
+         c.n_heads = 1;
+         c.n_kv_heads = 1;
+       },
        "dim (1073741824) exceeds the supported maximum"},
   };
   for (const auto& bad : cases) {

@@ -1,9 +1,10 @@
 // ContiguousStore: the conformance suite, its element order and its byte count.
+#include "kvdecode/contiguous_store.hpp"
+
 #include <gtest/gtest.h>
 
 #include <memory>
 
-#include "kvdecode/contiguous_store.hpp"
 #include "store_conformance.hpp"
 
 namespace kvdecode::testing_util {

@@ -102,8 +102,12 @@ TEST(GenerateTest, RejectsEmptyPromptAndUsedCache) {
                Error);
   model.decode(1, cache, act);
   const std::vector<std::int32_t> one = {1};
-  EXPECT_THAT([&] { generate(model, cache, act, std::span<const std::int32_t>(one), sampler, {}, [](std::int32_t) {}); },
-              ::testing::ThrowsMessage<Error>(::testing::HasSubstr("already holds 1 positions")));
+  EXPECT_THAT(
+      [&] {
+        generate(model, cache, act, std::span<const std::int32_t>(one), sampler, {},
+                 [](std::int32_t) {});
+      },
+      ::testing::ThrowsMessage<Error>(::testing::HasSubstr("already holds 1 positions")));
 }
 
 }  // namespace

@@ -141,8 +141,7 @@ void check_chunkings(double bound) {
       std::vector<T> part(n * vocab);
       model.prefill(std::span<const std::int32_t>(tokens).subspan(at, n), turns, big,
                     std::span<T>(part));
-      EXPECT_LE(max_abs_diff(part, std::span<const T>(ref).subspan(at * vocab, n * vocab)),
-                bound)
+      EXPECT_LE(max_abs_diff(part, std::span<const T>(ref).subspan(at * vocab, n * vocab)), bound)
           << "chunk " << chunk << " at " << at;
     }
     ASSERT_EQ(turns.size(), tokens.size());
@@ -303,7 +302,8 @@ TEST(CapacityTest, OverflowThrowsAndLeavesCacheIntact) {
   EXPECT_TRUE(testing_util::same_contents(cache, before, 5));
   // The cache still works: the 6th token decodes to the reference's logits, then it is full.
   const auto l = model.decode(tokens[5], cache, act);
-  const std::vector<float> ref = model.forward_reference(std::span<const std::int32_t>(tokens).first(6));
+  const std::vector<float> ref =
+      model.forward_reference(std::span<const std::int32_t>(tokens).first(6));
   const auto vocab = static_cast<std::size_t>(cfg.vocab_size);
   EXPECT_LE(max_abs_diff(l, std::span<const float>(ref).last(vocab)), 2e-5);
   EXPECT_THROW(model.decode(tokens[6], cache, act), Error);

@@ -101,9 +101,9 @@ void copy_rows(const ContiguousStore<float>& c, std::size_t n, S& s) {
 // p_t) = 0, output channel i moves by at most (e^{2δ} - 1) · (max_t v_ti - min_t v_ti) / 2 +
 // max_t e_v(t, i).
 template <class S>
-void expect_attention_within_bound(const char* name, ElementBounds (*bounds)(
-                                                          const ContiguousStore<float>&,
-                                                          std::size_t, std::size_t, std::size_t)) {
+void expect_attention_within_bound(const char* name,
+                                   ElementBounds (*bounds)(const ContiguousStore<float>&,
+                                                           std::size_t, std::size_t, std::size_t)) {
   const Model<float> model(load_checkpoint(kFixture));
   const ModelConfig cfg = model.config();
   const std::size_t n_ctx = 120, hs = static_cast<std::size_t>(cfg.head_size());
@@ -144,10 +144,10 @@ void expect_attention_within_bound(const char* name, ElementBounds (*bounds)(
               ev = std::max(ev, e.value[t * hs + i]);
             }
             // f32 arithmetic of the two attention runs: 1e-5 relative to the value range.
-            const double bound =
-                std::expm1(2 * delta) * (hi - lo) / 2 + ev + 1e-5 * (1 + std::abs(lo) + std::abs(hi));
-            const double err = std::abs(double{out_q[r * dim + h * hs + i]} -
-                                        double{out_f[r * dim + h * hs + i]});
+            const double bound = std::expm1(2 * delta) * (hi - lo) / 2 + ev +
+                                 1e-5 * (1 + std::abs(lo) + std::abs(hi));
+            const double err =
+                std::abs(double{out_q[r * dim + h * hs + i]} - double{out_f[r * dim + h * hs + i]});
             ASSERT_LE(err, bound) << name << " layer " << l << " head " << h << " query " << r
                                   << " channel " << i << " δ " << delta;
             worst_ratio = std::max(worst_ratio, err / bound);
@@ -253,7 +253,8 @@ Metrics measure(const char* model_name, const char* store_name, const Model<floa
   }
   std::sort(kls.begin(), kls.end());
   for (const double k : kls) r.kl_mean += k / static_cast<double>(kls.size());
-  r.kl_p99 = kls[std::min(kls.size() - 1, static_cast<std::size_t>(0.99 * static_cast<double>(kls.size())))];
+  r.kl_p99 = kls[std::min(kls.size() - 1,
+                          static_cast<std::size_t>(0.99 * static_cast<double>(kls.size())))];
   r.agree = static_cast<double>(agree) / static_cast<double>(n_gen);
   // Free running: the quantized cache chooses its own tokens.
   const auto gen = greedy(m, free, prompt, n_gen, nullptr);
@@ -261,10 +262,11 @@ Metrics measure(const char* model_name, const char* store_name, const Model<floa
   while (r.free_run < n_gen && gen[r.free_run] == f32_gen[r.free_run]) ++r.free_run;
   for (std::size_t i = 0; i < n_gen; ++i) same += gen[i] == f32_gen[i] ? 1 : 0;
   r.free_agree = static_cast<double>(same) / static_cast<double>(n_gen);
-  std::printf("[budget] %-22s %-5s max|dlogit| %.4f  KL mean %.2e p99 %.2e  top-1 %.3f  "
-              "free-run %zu/%zu (%.3f)\n",
-              model_name, store_name, r.max_dlogit, r.kl_mean, r.kl_p99, r.agree, r.free_run,
-              n_gen, r.free_agree);
+  std::printf(
+      "[budget] %-22s %-5s max|dlogit| %.4f  KL mean %.2e p99 %.2e  top-1 %.3f  "
+      "free-run %zu/%zu (%.3f)\n",
+      model_name, store_name, r.max_dlogit, r.kl_mean, r.kl_p99, r.agree, r.free_run, n_gen,
+      r.free_agree);
   return r;
 }
 
@@ -304,12 +306,12 @@ TEST(QuantErrorBudgetTest, LogitBudgetOnFixtureAndRandomModels) {
   };
   std::vector<Named> models;
   models.push_back({"fixture llama2c-tiny", load_checkpoint(kFixture)});
-  models.push_back(
-      {"random hs32 gqa", random_weights<float>(shape(128, 4, 2, 2, RopeStyle::kAdjacentPairs), 21)});
-  models.push_back(
-      {"random hs64 mqa", random_weights<float>(shape(128, 2, 1, 3, RopeStyle::kHalfSplit), 22), true});
-  models.push_back(
-      {"random hs128 mha", random_weights<float>(shape(256, 2, 2, 2, RopeStyle::kAdjacentPairs), 23)});
+  models.push_back({"random hs32 gqa",
+                    random_weights<float>(shape(128, 4, 2, 2, RopeStyle::kAdjacentPairs), 21)});
+  models.push_back({"random hs64 mqa",
+                    random_weights<float>(shape(128, 2, 1, 3, RopeStyle::kHalfSplit), 22), true});
+  models.push_back({"random hs128 mha",
+                    random_weights<float>(shape(256, 2, 2, 2, RopeStyle::kAdjacentPairs), 23)});
   for (auto& [name, w, q4_over_budget] : models) {
     const Model<float> m(std::move(w));
     const ModelConfig& cfg = m.config();
@@ -327,8 +329,9 @@ TEST(QuantErrorBudgetTest, LogitBudgetOnFixtureAndRandomModels) {
     EXPECT_GE(i8.agree, kInt8Agree) << name;
     EXPECT_GE(q4.agree, kQ4Agree) << name;
     if (q4_over_budget) {
-      std::printf("[budget] OVER BUDGET: %s q4 KL mean %.2e (budget %.0e), p99 %.3f (budget %.1f)\n",
-                  name.c_str(), q4.kl_mean, kQ4KlMean, q4.kl_p99, kQ4KlP99);
+      std::printf(
+          "[budget] OVER BUDGET: %s q4 KL mean %.2e (budget %.0e), p99 %.3f (budget %.1f)\n",
+          name.c_str(), q4.kl_mean, kQ4KlMean, q4.kl_p99, kQ4KlP99);
       EXPECT_GT(q4.kl_mean, kQ4KlMean) << "now within budget: drop the q4_over_budget mark";
     } else {
       EXPECT_LE(q4.kl_mean, kQ4KlMean) << name;

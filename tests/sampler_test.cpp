@@ -1,4 +1,6 @@
 // Sampler: llama2.c's xorshift64*, greedy ties, and the distributions top-k / top-p sample from.
+#include "kvdecode/sampler.hpp"
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -6,8 +8,6 @@
 #include <cmath>
 #include <cstdint>
 #include <vector>
-
-#include "kvdecode/sampler.hpp"
 
 namespace kvdecode {
 namespace {
@@ -44,7 +44,8 @@ std::vector<double> frequencies(const SamplerOptions& o, const std::vector<float
                                 int draws) {
   Sampler s(static_cast<std::int64_t>(logits.size()), o);
   std::vector<double> f(logits.size());
-  for (int i = 0; i < draws; ++i) f[static_cast<std::size_t>(s.sample(std::span<const float>(logits)))] += 1.0 / draws;
+  for (int i = 0; i < draws; ++i)
+    f[static_cast<std::size_t>(s.sample(std::span<const float>(logits)))] += 1.0 / draws;
   return f;
 }
 
@@ -97,18 +98,28 @@ TEST(SamplerTest, SameSeedSameTokens) {
 }
 
 TEST(SamplerTest, BadOptionsAreNamed) {
-  EXPECT_THAT([] { Sampler(4, SamplerOptions{-1.0, 0.9, 0, 1}); },
-              ::testing::ThrowsMessage<Error>(::testing::HasSubstr("temperature must be")));
-  EXPECT_THAT([] { Sampler(4, SamplerOptions{1.0, 0.9, -2, 1}); },
-              ::testing::ThrowsMessage<Error>(::testing::HasSubstr("top_k must be >= 0, got -2")));
-  EXPECT_THAT([] { Sampler(4, SamplerOptions{1.0, 0.9, 0, 0}); },
-              ::testing::ThrowsMessage<Error>(::testing::HasSubstr("seed 0")));
+  EXPECT_THAT(
+      [] {
+        Sampler(4, SamplerOptions{-1.0, 0.9, 0, 1});
+      },
+      ::testing::ThrowsMessage<Error>(::testing::HasSubstr("temperature must be")));
+  EXPECT_THAT(
+      [] {
+        Sampler(4, SamplerOptions{1.0, 0.9, -2, 1});
+      },
+      ::testing::ThrowsMessage<Error>(::testing::HasSubstr("top_k must be >= 0, got -2")));
+  EXPECT_THAT(
+      [] {
+        Sampler(4, SamplerOptions{1.0, 0.9, 0, 0});
+      },
+      ::testing::ThrowsMessage<Error>(::testing::HasSubstr("seed 0")));
   EXPECT_THAT([] { Sampler(0, SamplerOptions{}); },
               ::testing::ThrowsMessage<Error>(::testing::HasSubstr("vocab_size must be positive")));
   Sampler s(4, SamplerOptions{});
   const std::vector<float> three(3);
-  EXPECT_THAT([&] { s.sample(std::span<const float>(three)); },
-              ::testing::ThrowsMessage<Error>(::testing::HasSubstr("3 logits for a vocabulary of 4")));
+  EXPECT_THAT(
+      [&] { s.sample(std::span<const float>(three)); },
+      ::testing::ThrowsMessage<Error>(::testing::HasSubstr("3 logits for a vocabulary of 4")));
 }
 
 }  // namespace

@@ -118,7 +118,8 @@ class StoreConformance : public ::testing::Test {
           }
           for (std::size_t i = 0; i < hs; ++i) {
             if constexpr (Traits::kExactRows) {
-              ASSERT_EQ(g.keys[r][i], k[h * hs + i]) << "layer " << l << " head " << h << " index " << index;
+              ASSERT_EQ(g.keys[r][i], k[h * hs + i])
+                  << "layer " << l << " head " << h << " index " << index;
               ASSERT_EQ(g.values[r][i], v[h * hs + i]);
             } else {
               ASSERT_NEAR(g.keys[r][i], k[h * hs + i], Traits::kRowTolerance * kmax);

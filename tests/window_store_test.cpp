@@ -2,6 +2,8 @@
 // forward_reference(w, tokens, W) under chunked prefill and decode, through eviction, cancel and
 // rollback; streaming keeps its memory bounded past seq_len and gives kept tokens the positions
 // of a fresh forward over them.
+#include "kvdecode/window_store.hpp"
+
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -9,7 +11,6 @@
 #include <vector>
 
 #include "kvdecode/io/checkpoint.hpp"
-#include "kvdecode/window_store.hpp"
 #include "store_conformance.hpp"
 
 namespace kvdecode::testing_util {
@@ -44,9 +45,12 @@ struct StoreTraits<StreamingWindowStore<T>> {
     StreamingWindowStore<T>& store() { return s; }
   };
   static std::unique_ptr<Holder> make(const ModelConfig& cfg, std::size_t capacity) {
-    return std::make_unique<Holder>(Holder{StreamingWindowStore<T>(
-        cfg, {.window = capacity - 4, .sinks = 4, .policy = WindowPolicy::kStreaming,
-              .max_chunk = 16, .max_positions = capacity})});
+    return std::make_unique<Holder>(
+        Holder{StreamingWindowStore<T>(cfg, {.window = capacity - 4,
+                                             .sinks = 4,
+                                             .policy = WindowPolicy::kStreaming,
+                                             .max_chunk = 16,
+                                             .max_positions = capacity})});
   }
   static constexpr bool kExactRows = true;
   static constexpr double kRowTolerance = 0;
@@ -65,7 +69,8 @@ void expect_logits_near(std::span<const T> got, const std::vector<T>& ref, std::
                         std::size_t vocab, double tol, const std::string& what) {
   for (std::size_t i = 0; i < vocab; ++i) {
     const double r = ref[row * vocab + i];
-    ASSERT_NEAR(got[i], r, tol * (1 + std::abs(r))) << what << " position " << row << " logit " << i;
+    ASSERT_NEAR(got[i], r, tol * (1 + std::abs(r)))
+        << what << " position " << row << " logit " << i;
   }
 }
 
@@ -85,14 +90,14 @@ void run_trained_window(const Model<T>& model, std::span<const std::int32_t> tok
     const std::size_t m = std::min(chunk, n_prefill - p);
     model.prefill(tokens.subspan(p, m), s, act, std::span<T>(logits).first(m * vocab));
     for (std::size_t i = 0; i < m; ++i)
-      expect_logits_near<T>(std::span<const T>(logits).subspan(i * vocab, vocab), ref, p + i,
-                            vocab, tol, what);
+      expect_logits_near<T>(std::span<const T>(logits).subspan(i * vocab, vocab), ref, p + i, vocab,
+                            tol, what);
   }
   for (std::size_t p = n_prefill; p < tokens.size(); ++p)
     expect_logits_near<T>(model.decode(tokens[p], s, act), ref, p, vocab, tol, what);
   // Memory stays that of W - 1 + chunk ring slots however long the sequence.
-  EXPECT_EQ(s.memory_bytes(), WindowStore<T>::memory_bytes_for(
-                                  cfg, {.window = window, .max_chunk = chunk}));
+  EXPECT_EQ(s.memory_bytes(),
+            WindowStore<T>::memory_bytes_for(cfg, {.window = window, .max_chunk = chunk}));
 }
 
 TEST(WindowStoreTest, TrainedWindowEqualsTheWindowedReference) {
@@ -102,7 +107,8 @@ TEST(WindowStoreTest, TrainedWindowEqualsTheWindowedReference) {
     const Model<float> model(random_weights<float>(cfg, 40 + static_cast<std::uint64_t>(kv)));
     const auto tokens = random_tokens(45, cfg.vocab_size, 7);
     for (const std::size_t window : {1u, 6u, 16u}) {
-      for (const std::size_t chunk : {1u, 5u, 12u}) run_trained_window<float>(model, tokens, window, chunk, 30, 1e-5);
+      for (const std::size_t chunk : {1u, 5u, 12u})
+        run_trained_window<float>(model, tokens, window, chunk, 30, 1e-5);
     }
   }
   const ModelConfig cfg = small_config(4, 2, 64);
@@ -111,8 +117,8 @@ TEST(WindowStoreTest, TrainedWindowEqualsTheWindowedReference) {
 }
 
 TEST(WindowStoreTest, FixtureModelWithAWindow) {
-  const Model<float> model(
-      load_checkpoint(std::filesystem::path(KVDECODE_TEST_DATA_DIR) / "llama2c-tiny" / "model.bin"));
+  const Model<float> model(load_checkpoint(std::filesystem::path(KVDECODE_TEST_DATA_DIR) /
+                                           "llama2c-tiny" / "model.bin"));
   const auto tokens = random_tokens(100, model.config().vocab_size, 9);
   run_trained_window<float>(model, tokens, 24, 16, 60, 1e-4);
 }
@@ -186,8 +192,11 @@ TEST(WindowStoreTest, StreamingPositionsMatchAFreshForwardOverTheKeptTokens) {
     const std::size_t S = 4, W = 10, n = 3 * 32;  // three times seq_len
     const auto tokens = random_tokens(n, cfg.vocab_size, 13);
     const auto vocab = static_cast<std::size_t>(cfg.vocab_size);
-    WindowStore<float> s(cfg, {.window = W, .sinks = S, .policy = WindowPolicy::kStreaming,
-                               .max_chunk = 8, .max_positions = n});
+    WindowStore<float> s(cfg, {.window = W,
+                               .sinks = S,
+                               .policy = WindowPolicy::kStreaming,
+                               .max_chunk = 8,
+                               .max_positions = n});
     Activations<float> act(cfg, 8, s.block_scratch_size());
     const std::size_t bytes = s.memory_bytes();
     model.prefill(std::span<const std::int32_t>(tokens).first(8), s, act);
@@ -210,8 +219,11 @@ TEST(WindowStoreTest, DISABLED_StreamingLayerZeroKeysEqualAFreshCacheOfTheKeptTo
   const Model<double> model(random_weights<double>(cfg, 14));
   const std::size_t S = 2, W = 7, n = 60;
   const auto tokens = random_tokens(n, cfg.vocab_size, 15);
-  WindowStore<double> s(cfg, {.window = W, .sinks = S, .policy = WindowPolicy::kStreaming,
-                              .max_chunk = 1, .max_positions = n});
+  WindowStore<double> s(cfg, {.window = W,
+                              .sinks = S,
+                              .policy = WindowPolicy::kStreaming,
+                              .max_chunk = 1,
+                              .max_positions = n});
   Activations<double> act(cfg, 1, s.block_scratch_size());
   for (std::size_t q = 0; q < n; ++q) {
     (void)model.decode(tokens[q], s, act);
@@ -233,10 +245,13 @@ TEST(WindowStoreTest, DISABLED_StreamingLayerZeroKeysEqualAFreshCacheOfTheKeptTo
 
 TEST(WindowStoreTest, StreamingRefusesChunksPastAFullCacheAndBadOptions) {
   const ModelConfig cfg = small_config(4, 2, 64);
-  WindowStore<float> s(cfg, {.window = 6, .sinks = 2, .policy = WindowPolicy::kStreaming,
-                             .max_chunk = 8, .max_positions = 100});
+  WindowStore<float> s(cfg, {.window = 6,
+                             .sinks = 2,
+                             .policy = WindowPolicy::kStreaming,
+                             .max_chunk = 8,
+                             .max_positions = 100});
   EXPECT_THROW(s.begin_append(test_tokens(0, 9)), Error);  // 9 > S + W
-  s.begin_append(test_tokens(0, 8));                        // = S + W: nothing evicted yet
+  s.begin_append(test_tokens(0, 8));                       // = S + W: nothing evicted yet
   s.cancel_append();
   EXPECT_THROW(WindowStore<float>(cfg, {.window = 0}), Error);
   EXPECT_THROW(WindowStore<float>(cfg, {.window = 4, .max_chunk = 0}), Error);

@@ -27,7 +27,7 @@ class AlignedBuffer {
     KVDECODE_CHECK(size <= std::numeric_limits<std::size_t>::max() / sizeof(T) - kAlignment,
                    "AlignedBuffer: ", size, " elements of ", sizeof(T), " bytes overflow size_t");
     const std::size_t bytes = (size * sizeof(T) + kAlignment - 1) / kAlignment * kAlignment;
-    data_ = static_cast<T*>(::operator new(bytes, std::align_val_t{kAlignment}));
+    data_ = static_cast<T*>(::operator new (bytes, std::align_val_t{kAlignment}));
     std::fill_n(data_, size, T{});
   }
   AlignedBuffer(AlignedBuffer&& other) noexcept
@@ -63,7 +63,7 @@ class AlignedBuffer {
 
  private:
   void release() {
-    if (data_ != nullptr) ::operator delete(data_, std::align_val_t{kAlignment});
+    if (data_ != nullptr) ::operator delete (data_, std::align_val_t{kAlignment});
     data_ = nullptr;
     size_ = 0;
   }

@@ -55,8 +55,8 @@ class ContiguousStore {
     const std::size_t n = tokens.size();
     KVDECODE_CHECK(pending_ == 0, "ContiguousStore::begin_append: ", pending_,
                    " positions are already pending");
-    KVDECODE_CHECK(n <= capacity_ - size_, "ContiguousStore: appending ", n,
-                   " positions to ", size_, " would exceed the capacity of ", capacity_);
+    KVDECODE_CHECK(n <= capacity_ - size_, "ContiguousStore: appending ", n, " positions to ",
+                   size_, " would exceed the capacity of ", capacity_);
     std::copy(tokens.begin(), tokens.end(), tokens_.data() + size_);
     pending_ = n;
   }
@@ -129,8 +129,8 @@ class ContiguousStore {
   std::size_t capacity_ = 0;
   std::size_t size_ = 0;
   std::size_t pending_ = 0;
-  AlignedBuffer<T> keys_;    // [n_layers][n_kv_heads][capacity][head_size]
-  AlignedBuffer<T> values_;  // [n_layers][n_kv_heads][capacity][head_size]
+  AlignedBuffer<T> keys_;               // [n_layers][n_kv_heads][capacity][head_size]
+  AlignedBuffer<T> values_;             // [n_layers][n_kv_heads][capacity][head_size]
   AlignedBuffer<std::int32_t> tokens_;  // [capacity] token id of each position
 };
 

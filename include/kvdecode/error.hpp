@@ -39,11 +39,11 @@ std::string concat(Args&&... args) {
 
 /// KVDECODE_CHECK(cond, parts...): when cond is false, throws kvdecode::Error whose message is
 /// the parts streamed together (say what was expected and what was seen), plus file:line.
-#define KVDECODE_CHECK(cond, ...)                                                       \
-  do {                                                                                  \
-    if (!(cond)) [[unlikely]]                                                           \
-      ::kvdecode::detail::throw_error(__FILE__, __LINE__,                               \
-                                      ::kvdecode::detail::concat(__VA_ARGS__));         \
+#define KVDECODE_CHECK(cond, ...)                                               \
+  do {                                                                          \
+    if (!(cond)) [[unlikely]]                                                   \
+      ::kvdecode::detail::throw_error(__FILE__, __LINE__,                       \
+                                      ::kvdecode::detail::concat(__VA_ARGS__)); \
   } while (false)
 
 /// KVDECODE_FAIL(parts...): throws unconditionally (for switch defaults and parse errors).

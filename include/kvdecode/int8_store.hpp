@@ -118,8 +118,8 @@ class Int8Store {
   /// scratch [2][kBlockRows][head_size] and hands each block to sink; the block's pointers are
   /// valid only during that call.
   template <class Sink>
-  void for_each_block(std::size_t layer, std::size_t kv_head, std::size_t end,
-                      std::span<T> scratch, Sink&& sink) const {
+  void for_each_block(std::size_t layer, std::size_t kv_head, std::size_t end, std::span<T> scratch,
+                      Sink&& sink) const {
     if (end == 0) return;
     KVDECODE_CHECK(scratch.size() >= block_scratch_size(), "Int8Store::for_each_block: scratch of ",
                    scratch.size(), " elements, expected at least ", block_scratch_size());
@@ -183,10 +183,10 @@ class Int8Store {
   std::size_t capacity_ = 0;
   std::size_t size_ = 0;
   std::size_t pending_ = 0;
-  AlignedBuffer<std::int8_t> keys_;    // [n_layers][n_kv_heads][capacity][head_size] codes
-  AlignedBuffer<std::int8_t> values_;  // [n_layers][n_kv_heads][capacity][head_size] codes
-  AlignedBuffer<float> key_scales_;    // [n_layers][n_kv_heads][capacity] step of each key row
-  AlignedBuffer<float> value_scales_;  // [n_layers][n_kv_heads][capacity] step of each value row
+  AlignedBuffer<std::int8_t> keys_;     // [n_layers][n_kv_heads][capacity][head_size] codes
+  AlignedBuffer<std::int8_t> values_;   // [n_layers][n_kv_heads][capacity][head_size] codes
+  AlignedBuffer<float> key_scales_;     // [n_layers][n_kv_heads][capacity] step of each key row
+  AlignedBuffer<float> value_scales_;   // [n_layers][n_kv_heads][capacity] step of each value row
   AlignedBuffer<std::int32_t> tokens_;  // [capacity] token id of each position
 };
 

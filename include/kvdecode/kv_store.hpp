@@ -43,33 +43,33 @@ struct KvBlockSinkArchetype {
 /// says which RoPE position a cache index is rotated by, and it may hide keys from a query
 /// beyond the causal mask (a sliding window) through an optional `masks(q, k)` member.
 template <class S>
-concept KvStore =
-    requires(S& s, const S& cs, std::size_t i, const typename S::Scalar* row,
-             std::span<const std::int32_t> tokens,
-             std::span<typename S::Scalar> scratch,
-             detail::KvBlockSinkArchetype<typename S::Scalar> sink) {
-      typename S::Scalar;
-      { cs.size() } -> std::same_as<std::size_t>;      // committed positions
-      { cs.pending() } -> std::same_as<std::size_t>;   // positions begun, not yet committed
-      { cs.capacity() } -> std::same_as<std::size_t>;  // most positions it can hold
-      { cs.n_layers() } -> std::same_as<std::size_t>;
-      { cs.n_kv_heads() } -> std::same_as<std::size_t>;
-      { cs.head_size() } -> std::same_as<std::size_t>;
-      { cs.memory_bytes() } -> std::same_as<std::size_t>;
-      { cs.rope_position(i) } -> std::same_as<std::size_t>;
-      /// Elements of caller scratch for_each_block needs (0 when it reads in place).
-      { cs.block_scratch_size() } -> std::same_as<std::size_t>;
-      s.begin_append(tokens);
-      { cs.tokens() } -> std::same_as<std::span<const std::int32_t>>;  // committed token ids
-      s.write(i, i, row, row);  // (layer, pending index, k [kv_dim], v [kv_dim])
-      s.commit_append();
-      { s.cancel_append() } noexcept;
-      s.truncate(i);
-      s.reset();
-      // (layer, kv head, end cache index, scratch, sink): calls sink for blocks covering the
-      // cache indices [0, end) that are resident, in increasing cache-index order.
-      cs.for_each_block(i, i, i, scratch, sink);
-    };
+concept KvStore = requires(S& s, const S& cs, std::size_t i, const typename S::Scalar* row,
+                           std::span<const std::int32_t> tokens,
+                           std::span<typename S::Scalar> scratch,
+                           detail::KvBlockSinkArchetype<typename S::Scalar> sink) {
+  typename S::Scalar;
+  { cs.size() } -> std::same_as<std::size_t>;      // committed positions
+  { cs.pending() } -> std::same_as<std::size_t>;   // positions begun, not yet committed
+  { cs.capacity() } -> std::same_as<std::size_t>;  // most positions it can hold
+  { cs.n_layers() } -> std::same_as<std::size_t>;
+  { cs.n_kv_heads() } -> std::same_as<std::size_t>;
+  { cs.head_size() } -> std::same_as<std::size_t>;
+  { cs.memory_bytes() } -> std::same_as<std::size_t>;
+  { cs.rope_position(i) } -> std::same_as<std::size_t>;
+  /// Elements of caller scratch for_each_block needs (0 when it reads in place).
+  { cs.block_scratch_size() } -> std::same_as<std::size_t>;
+  s.begin_append(tokens);
+  { cs.tokens() } -> std::same_as<std::span<const std::int32_t>>;  // committed token ids
+  s.write(i, i, row, row);  // (layer, pending index, k [kv_dim], v [kv_dim])
+  s.commit_append();
+  { s.cancel_append() }
+  noexcept;
+  s.truncate(i);
+  s.reset();
+  // (layer, kv head, end cache index, scratch, sink): calls sink for blocks covering the
+  // cache indices [0, end) that are resident, in increasing cache-index order.
+  cs.for_each_block(i, i, i, scratch, sink);
+};
 
 /// A store with an extra mask beyond causality (a sliding window): attention asks
 /// masks(q, k) for every score of a query q that is not simply past all keys.

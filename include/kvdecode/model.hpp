@@ -129,7 +129,7 @@ class Model {
     cache.commit_append();
     if (act.counters != nullptr) {
       count(is_decode ? act.counters->decode : act.counters->prefill, cache.size() - tokens.size(),
-            tokens.size(), all_logits.empty() ? 1 : tokens.size());
+            tokens.size(), all_logits.empty() ? 1 : tokens.size(), act.max_tokens);
     }
     return act.logits.span();
   }

@@ -24,9 +24,9 @@ struct ModelConfig {
   std::int64_t n_heads = 0;     ///< query heads
   std::int64_t n_kv_heads = 0;  ///< key/value heads; < n_heads is GQA, 1 is MQA
   std::int64_t vocab_size = 0;
-  std::int64_t seq_len = 0;     ///< the longest context the model was built for
+  std::int64_t seq_len = 0;  ///< the longest context the model was built for
   double rope_theta = 10000.0;
-  double norm_eps = 1e-5;       ///< added to the mean square inside RMSNorm's sqrt
+  double norm_eps = 1e-5;  ///< added to the mean square inside RMSNorm's sqrt
   RopeStyle rope_style = RopeStyle::kAdjacentPairs;
   bool shared_classifier = true;  ///< logits use the token embedding table as the classifier
 

@@ -130,8 +130,8 @@ class Q4Store {
   void write(std::size_t layer, std::size_t i, const T* k, const T* v) {
     const std::size_t index = size_ + i;
     KVDECODE_CHECK(i < pending_ && index == written_[layer], "Q4Store::write: layer ", layer,
-                   " expects pending row ", written_[layer] - size_, " of ", pending_, ", got ",
-                   i, " (rows are written in order)");
+                   " expects pending row ", written_[layer] - size_, " of ", pending_, ", got ", i,
+                   " (rows are written in order)");
     const std::size_t r = index % group_;
     for (std::size_t h = 0; h < n_kv_heads_; ++h) {
       const std::size_t at = ((layer * n_kv_heads_ + h) * group_ + r) * head_size_;
@@ -179,8 +179,7 @@ class Q4Store {
       for (std::size_t l = 0; l < n_layers_; ++l)
         for (std::size_t h = 0; h < n_kv_heads_; ++h) {
           const std::size_t at = (l * n_kv_heads_ + h) * group_ * head_size_;
-          dequantize_group(l, h, g, n % group_, stage_keys_.data() + at,
-                           stage_values_.data() + at);
+          dequantize_group(l, h, g, n % group_, stage_keys_.data() + at, stage_values_.data() + at);
         }
     }
     size_ = n;
@@ -196,8 +195,8 @@ class Q4Store {
   /// Cache indices [0, end) of one (layer, kv head): each quantized group dequantized into
   /// scratch [2][G][head_size], then the partial group's staging rows in place.
   template <class Sink>
-  void for_each_block(std::size_t layer, std::size_t kv_head, std::size_t end,
-                      std::span<T> scratch, Sink&& sink) const {
+  void for_each_block(std::size_t layer, std::size_t kv_head, std::size_t end, std::span<T> scratch,
+                      Sink&& sink) const {
     if (end == 0) return;
     KVDECODE_CHECK(scratch.size() >= block_scratch_size(), "Q4Store::for_each_block: scratch of ",
                    scratch.size(), " elements, expected at least ", block_scratch_size());
@@ -256,15 +255,16 @@ class Q4Store {
     const std::size_t gi = group_base(layer, kv_head, g);
     std::uint8_t* kq = key_codes_.data() + gi * group_ * hs / 2;    // [G][head_size / 2]
     std::uint8_t* vq = value_codes_.data() + gi * group_ * hs / 2;  // [G][head_size / 2]
-    float* kmin = key_min_.data() + gi * hs;                          // [head_size]
-    float* kstep = key_step_.data() + gi * hs;                        // [head_size]
+    float* kmin = key_min_.data() + gi * hs;                        // [head_size]
+    float* kstep = key_step_.data() + gi * hs;                      // [head_size]
     for (std::size_t c = 0; c < hs; ++c) range(kx + c, group_, hs, kmin[c], kstep[c]);
     for (std::size_t r = 0; r < group_; ++r) {
       for (std::size_t c = 0; c < hs; c += 2) {
         const float inv0 = kstep[c] > 0 ? 1.0f / kstep[c] : 0.0f;
         const float inv1 = kstep[c + 1] > 0 ? 1.0f / kstep[c + 1] : 0.0f;
-        kq[r * hs / 2 + c / 2] = static_cast<std::uint8_t>(
-            code(kx[r * hs + c], kmin[c], inv0) | (code(kx[r * hs + c + 1], kmin[c + 1], inv1) << 4));
+        kq[r * hs / 2 + c / 2] =
+            static_cast<std::uint8_t>(code(kx[r * hs + c], kmin[c], inv0) |
+                                      (code(kx[r * hs + c + 1], kmin[c + 1], inv1) << 4));
       }
       float& vmin = value_min_[gi * group_ + r];
       float& vstep = value_step_[gi * group_ + r];
@@ -315,14 +315,14 @@ class Q4Store {
   bool saved_ = false;  // saved_* hold the committed staging rows an open append overwrites
   AlignedBuffer<std::uint8_t> key_codes_;    // [n_layers][n_kv_heads][n_groups][G][head_size/2]
   AlignedBuffer<std::uint8_t> value_codes_;  // [n_layers][n_kv_heads][n_groups][G][head_size/2]
-  AlignedBuffer<float> key_min_;     // [n_layers][n_kv_heads][n_groups][head_size] per channel
-  AlignedBuffer<float> key_step_;    // [n_layers][n_kv_heads][n_groups][head_size] per channel
-  AlignedBuffer<float> value_min_;   // [n_layers][n_kv_heads][n_groups × G] per position
-  AlignedBuffer<float> value_step_;  // [n_layers][n_kv_heads][n_groups × G] per position
-  AlignedBuffer<T> stage_keys_;      // [n_layers][n_kv_heads][G][head_size] rows of the open group
-  AlignedBuffer<T> stage_values_;    // [n_layers][n_kv_heads][G][head_size]
-  AlignedBuffer<T> saved_keys_;      // [n_layers][n_kv_heads][G][head_size] cancel copy
-  AlignedBuffer<T> saved_values_;    // [n_layers][n_kv_heads][G][head_size]
+  AlignedBuffer<float> key_min_;      // [n_layers][n_kv_heads][n_groups][head_size] per channel
+  AlignedBuffer<float> key_step_;     // [n_layers][n_kv_heads][n_groups][head_size] per channel
+  AlignedBuffer<float> value_min_;    // [n_layers][n_kv_heads][n_groups × G] per position
+  AlignedBuffer<float> value_step_;   // [n_layers][n_kv_heads][n_groups × G] per position
+  AlignedBuffer<T> stage_keys_;       // [n_layers][n_kv_heads][G][head_size] rows of the open group
+  AlignedBuffer<T> stage_values_;     // [n_layers][n_kv_heads][G][head_size]
+  AlignedBuffer<T> saved_keys_;       // [n_layers][n_kv_heads][G][head_size] cancel copy
+  AlignedBuffer<T> saved_values_;     // [n_layers][n_kv_heads][G][head_size]
   std::vector<std::size_t> written_;  // [n_layers] rows written per layer (committed + pending)
   AlignedBuffer<std::int32_t> tokens_;  // [capacity] token id of each position
 };

@@ -54,8 +54,9 @@ std::vector<T> forward_reference(const Weights<T>& w, std::span<const std::int32
   // Rotates one head in place; the pairs and angle follow the config's RoPE convention.
   const auto rotate = [&](T* head, std::size_t pos) {
     for (std::size_t j = 0; j < hs / 2; ++j) {
-      const double angle = static_cast<double>(pos) /
-                           std::pow(c.rope_theta, static_cast<double>(2 * j) / static_cast<double>(hs));
+      const double angle =
+          static_cast<double>(pos) /
+          std::pow(c.rope_theta, static_cast<double>(2 * j) / static_cast<double>(hs));
       const T co = static_cast<T>(std::cos(angle));
       const T si = static_cast<T>(std::sin(angle));
       const bool adjacent = c.rope_style == RopeStyle::kAdjacentPairs;
@@ -91,7 +92,8 @@ std::vector<T> forward_reference(const Weights<T>& w, std::span<const std::int32
         T max_score = -INFINITY;
         for (std::size_t t = lo; t <= p; ++t) {
           T dot = 0;
-          for (std::size_t i = 0; i < hs; ++i) dot += q[p * dim + h * hs + i] * k[t * kv_dim + g * hs + i];
+          for (std::size_t i = 0; i < hs; ++i)
+            dot += q[p * dim + h * hs + i] * k[t * kv_dim + g * hs + i];
           scores[t] = dot / std::sqrt(static_cast<T>(hs));
           if (scores[t] > max_score) max_score = scores[t];
         }
@@ -114,7 +116,8 @@ std::vector<T> forward_reference(const Weights<T>& w, std::span<const std::int32
       norm(xp, lw.rms_ffn.data(), xb.data());
       linear(lw.w1.data(), xb.data(), h1.data(), dim, hidden);
       linear(lw.w3.data(), xb.data(), h3.data(), dim, hidden);
-      for (std::size_t j = 0; j < hidden; ++j) h1[j] = h1[j] * (T(1) / (T(1) + std::exp(-h1[j]))) * h3[j];
+      for (std::size_t j = 0; j < hidden; ++j)
+        h1[j] = h1[j] * (T(1) / (T(1) + std::exp(-h1[j]))) * h3[j];
       linear(lw.w2.data(), h1.data(), proj.data(), hidden, dim);
       for (std::size_t j = 0; j < dim; ++j) xp[j] += proj[j];
     }

@@ -28,8 +28,8 @@ void rope_angles(std::size_t position, std::size_t head_size, double theta, T* c
 /// Adjacent pairs rotate (2j, 2j+1); half-split pairs rotate (j, j + head_size/2). Either way a
 /// pair (a, b) becomes (a cos - b sin, a sin + b cos).
 template <class T>
-void apply_rope(T* vec, std::size_t n_heads, std::size_t head_size, RopeStyle style,
-                const T* cos_j, const T* sin_j) {
+void apply_rope(T* vec, std::size_t n_heads, std::size_t head_size, RopeStyle style, const T* cos_j,
+                const T* sin_j) {
   const std::size_t half = head_size / 2;
   for (std::size_t h = 0; h < n_heads; ++h) {
     T* head = vec + h * head_size;

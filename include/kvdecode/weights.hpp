@@ -34,10 +34,10 @@ struct LayerWeights {
 template <class T>
 struct Weights {
   ModelConfig config;
-  AlignedBuffer<T> token_embedding;  // [vocab_size][dim]
+  AlignedBuffer<T> token_embedding;     // [vocab_size][dim]
   std::vector<LayerWeights<T>> layers;  // [n_layers]
-  AlignedBuffer<T> rms_final;        // [dim]
-  AlignedBuffer<T> wcls;             // [vocab_size][dim], empty when the classifier is shared
+  AlignedBuffer<T> rms_final;           // [dim]
+  AlignedBuffer<T> wcls;                // [vocab_size][dim], empty when the classifier is shared
 
   Weights() = default;
   explicit Weights(const ModelConfig& cfg) : config(cfg) {
@@ -80,8 +80,8 @@ struct Weights {
     return total;
   }
 
-  /// Calls fn(name, buffer) for every tensor in llama2.c checkpoint order (the layer index is
-  /// part of the name), so loaders, savers and hashes walk one list.
+  /// Calls fn(name, layer, buffer) for every tensor in llama2.c checkpoint order (layer -1 for
+  /// the tensors outside the layers), so loaders, savers and hashes walk one list.
   template <class Fn>
   void for_each_tensor(Fn&& fn) {
     for_each_tensor_impl(*this, fn);

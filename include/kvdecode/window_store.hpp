@@ -87,8 +87,7 @@ class WindowStore {
         style_(cfg.rope_style) {
     cfg.validate();
     KVDECODE_CHECK(window_ >= 1, "WindowStore: window ", window_, ", expected at least 1");
-    KVDECODE_CHECK(max_chunk_ >= 1, "WindowStore: max_chunk ", max_chunk_,
-                   ", expected at least 1");
+    KVDECODE_CHECK(max_chunk_ >= 1, "WindowStore: max_chunk ", max_chunk_, ", expected at least 1");
     ring_ = window_ - 1 + max_chunk_;
     const std::size_t heads = n_layers_ * n_kv_heads_;
     sink_keys_ = AlignedBuffer<T>(heads * sinks_ * head_size_);
@@ -102,8 +101,8 @@ class WindowStore {
       rot_sin_ = AlignedBuffer<T>(window_ * half);
       for (std::size_t d = 0; d < window_; ++d)
         for (std::size_t j = 0; j < half; ++j) {
-          const double freq = std::pow(cfg.rope_theta, -2.0 * static_cast<double>(j) /
-                                                           static_cast<double>(head_size_));
+          const double freq = std::pow(
+              cfg.rope_theta, -2.0 * static_cast<double>(j) / static_cast<double>(head_size_));
           rot_cos_[d * half + j] = static_cast<T>(std::cos(static_cast<double>(d) * freq));
           rot_sin_[d * half + j] = static_cast<T>(std::sin(static_cast<double>(d) * freq));
         }
@@ -153,7 +152,8 @@ class WindowStore {
                    " passes the full cache of S + W = ", sinks_ + window_,
                    " positions; past it, append one position at a time");
     // A cancel must find the keys the next query needs, [max(S, size-W+1), size), intact.
-    const std::size_t needed = std::max({sinks_, oldest_, size_ + 1 > window_ ? size_ + 1 - window_ : 0});
+    const std::size_t needed =
+        std::max({sinks_, oldest_, size_ + 1 > window_ ? size_ + 1 - window_ : 0});
     KVDECODE_CHECK(n == 0 || size_ <= needed || size_ + n - 1 < needed + ring_,
                    "WindowStore: appending ", n, " positions to ", size_,
                    " would overwrite keys a cancel must restore; append at most max_chunk = ",
@@ -169,8 +169,8 @@ class WindowStore {
   void write(std::size_t layer, std::size_t i, const T* k, const T* v) {
     const std::size_t index = size_ + i;
     KVDECODE_CHECK(i < pending_ && index == written_[layer], "WindowStore::write: layer ", layer,
-                   " expects pending row ", written_[layer] - size_, " of ", pending_, ", got ",
-                   i, " (rows are written in order)");
+                   " expects pending row ", written_[layer] - size_, " of ", pending_, ", got ", i,
+                   " (rows are written in order)");
     for (std::size_t h = 0; h < n_kv_heads_; ++h) {
       T* kd = nullptr;
       T* vd = nullptr;
@@ -212,8 +212,8 @@ class WindowStore {
     const std::size_t needed = std::max(sinks_, n + 1 > window_ ? n + 1 - window_ : 0);
     KVDECODE_CHECK(needed >= n || oldest_ <= needed, "WindowStore::truncate(", n,
                    "): the query at ", n, " needs keys from index ", needed,
-                   " but the oldest resident one is ", oldest_, " (at most max_chunk = ",
-                   max_chunk_, " positions can be rolled back)");
+                   " but the oldest resident one is ", oldest_,
+                   " (at most max_chunk = ", max_chunk_, " positions can be rolled back)");
     size_ = n;
     oldest_ = std::min(oldest_, std::max(n, sinks_));
     std::fill(written_.begin(), written_.end(), size_);
@@ -229,8 +229,8 @@ class WindowStore {
   /// (at most two, split where the ring wraps). Under kStreaming with a full cache the keys are
   /// those query end-1 sees, rotated to their slot positions in scratch kRotateRows at a time.
   template <class Sink>
-  void for_each_block(std::size_t layer, std::size_t kv_head, std::size_t end,
-                      std::span<T> scratch, Sink&& sink) const {
+  void for_each_block(std::size_t layer, std::size_t kv_head, std::size_t end, std::span<T> scratch,
+                      Sink&& sink) const {
     const std::size_t hs = head_size_;
     const std::size_t lh = layer * n_kv_heads_ + kv_head;
     const std::size_t ns = std::min(sinks_, end);
@@ -298,16 +298,16 @@ class WindowStore {
   std::size_t max_chunk_ = 1;
   std::size_t capacity_ = 0;
   RopeStyle style_ = RopeStyle::kAdjacentPairs;
-  std::size_t ring_ = 0;    // R = W - 1 + max_chunk slots per (layer, kv head)
+  std::size_t ring_ = 0;  // R = W - 1 + max_chunk slots per (layer, kv head)
   std::size_t size_ = 0;
   std::size_t pending_ = 0;
-  std::size_t oldest_ = 0;  // lowest non-sink index whose slot still holds it (≥ S)
-  AlignedBuffer<T> sink_keys_;    // [n_layers][n_kv_heads][S][head_size] after RoPE
-  AlignedBuffer<T> sink_values_;  // [n_layers][n_kv_heads][S][head_size]
-  AlignedBuffer<T> ring_keys_;    // [n_layers][n_kv_heads][R][head_size] after RoPE at p_w(x)
-  AlignedBuffer<T> ring_values_;  // [n_layers][n_kv_heads][R][head_size]
-  AlignedBuffer<T> rot_cos_;      // [W][head_size/2] cos(d θ_j), kStreaming only
-  AlignedBuffer<T> rot_sin_;      // [W][head_size/2] sin(d θ_j), kStreaming only
+  std::size_t oldest_ = 0;              // lowest non-sink index whose slot still holds it (≥ S)
+  AlignedBuffer<T> sink_keys_;          // [n_layers][n_kv_heads][S][head_size] after RoPE
+  AlignedBuffer<T> sink_values_;        // [n_layers][n_kv_heads][S][head_size]
+  AlignedBuffer<T> ring_keys_;          // [n_layers][n_kv_heads][R][head_size] after RoPE at p_w(x)
+  AlignedBuffer<T> ring_values_;        // [n_layers][n_kv_heads][R][head_size]
+  AlignedBuffer<T> rot_cos_;            // [W][head_size/2] cos(d θ_j), kStreaming only
+  AlignedBuffer<T> rot_sin_;            // [W][head_size/2] sin(d θ_j), kStreaming only
   std::vector<std::size_t> written_;    // [n_layers] rows written per layer (committed + pending)
   AlignedBuffer<std::int32_t> tokens_;  // [capacity] token id of each position
 };

@@ -1,8 +1,7 @@
 // Builds against the installed package and checks one cached decode against the reference.
-#include <kvdecode/kvdecode.hpp>
-
 #include <cmath>
 #include <cstdio>
+#include <kvdecode/kvdecode.hpp>
 
 int main() {
   kvdecode::ModelConfig cfg;
