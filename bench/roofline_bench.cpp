@@ -29,7 +29,7 @@ using namespace kvdecode;
 using Clock = std::chrono::steady_clock;
 
 /// f32 FMA peak of one Zen 5 core: 2 × 512-bit FMA pipes × 16 lanes × 2 flops × ~3.4 GHz
-/// (the figure for this machine).
+/// (the nominal figure the prefill targets are stated against).
 constexpr double kPeakGflops = 215.0;
 constexpr std::size_t kDecodeContext = 128;  // cached positions each timed decode step sees
 constexpr std::size_t kPrefillTokens = 128;  // as llama.cpp's pp128
@@ -130,7 +130,7 @@ void BM_ReadBandwidth(benchmark::State& state) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// FMA-peak probe: the 215 GFLOP/s/core is a Zen 5 figure (two full-width 512-bit FMA
+// FMA-peak probe: the nominal 215 GFLOP/s/core is a Zen 5 figure (two full-width 512-bit FMA
 // pipes); a CPU that splits 512-bit FMAs in two (Zen 4, family 25) peaks at half that, so the
 // peak is measured too and prefill reports both ratios.
 // ---------------------------------------------------------------------------------------------

@@ -114,11 +114,11 @@ TEST(CountersTest, UncachedGenerateMatchesClosedForms) {
   EXPECT_EQ(c.prefill.kv_bytes_read, 2 * s.L * s.n_kv * s.hs * rows_read * sizeof(double));
 }
 
-// The issue's formulas, for n tokens fed after a p-token prompt with prefill()/decode() directly:
+// The closed forms, for n tokens fed after a p-token prompt with prefill()/decode() directly:
 // cached, p + n K/V projections per layer and Σ_{t=1..n} (p+t) scores per layer and head;
 // uncached (re-running p + t tokens for each t), Σ (p+t) projections and Σ (p+t)(p+t+1)/2 scores
 // (the causal triangle of p + t tokens, ~ (p+t)²/2).
-TEST(CountersTest, IssueFormulasForNFedTokens) {
+TEST(CountersTest, ClosedFormsForNFedTokens) {
   const ModelConfig cfg = small_config(4, 1, 64);  // MQA: reads scale with n_kv_heads = 1
   const Shape s(cfg);
   const Model<double> model(random_weights<double>(cfg, 5));

@@ -4,16 +4,20 @@
 //   KVDECODE_PROPERTY_SEED=<seed printed by a failure>  KVDECODE_PROPERTY_OPS=<operations>
 // (default 10000 operations per store; the asan CI run uses the same default).
 //
-// The suite is typed over the store: a new store adds a PropertyStore specialisation and its
-// type to PropertyStores below (paged, quantized and windowed stores are being written).
+// The suite is typed over the store: a store adds a PropertyStore specialisation and its type to
+// PropertyStores below. Stores whose logits match the reference exactly (within rounding) run
+// here; the quantized stores' error is bounded in quant_error_budget_test.cpp instead.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <memory>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "kvdecode/kvdecode.hpp"
@@ -22,30 +26,79 @@
 namespace {
 
 using kvdecode::Activations;
+using kvdecode::BlockPool;
 using kvdecode::ContiguousStore;
 using kvdecode::Error;
 using kvdecode::Model;
 using kvdecode::ModelConfig;
+using kvdecode::PagedStore;
+using kvdecode::WindowStore;
 
-/// How to build a store for the property run and how close its logits must be to the reference
-/// (|Δ| <= kTolerance × (1 + |ref|)). A windowed store would also say which tokens it keeps.
+/// How to build a store for the property run (make() returns a holder owning the store and
+/// anything it lives on), which reference its logits must match and how closely
+/// (|Δ| <= kTolerance × (1 + |ref|)), and how far back a truncate may go.
 template <class Store>
 struct PropertyStore;
 
-template <>
-struct PropertyStore<ContiguousStore<float>> {
-  static ContiguousStore<float> make(const ModelConfig& cfg, std::size_t capacity) {
-    return ContiguousStore<float>(cfg, capacity);
+template <class T>
+constexpr double kExactTolerance = std::is_same_v<T, float> ? 1e-5 : 1e-12;
+
+template <class T>
+struct PropertyStore<ContiguousStore<T>> {
+  struct Holder {
+    ContiguousStore<T> store;
+  };
+  static std::unique_ptr<Holder> make(const ModelConfig& cfg, std::size_t capacity) {
+    return std::make_unique<Holder>(Holder{ContiguousStore<T>(cfg, capacity)});
   }
-  static constexpr double kTolerance = 1e-5;
+  static constexpr std::size_t kWindow = 0;  // the plain causal mask
+  static constexpr double kTolerance = kExactTolerance<T>;
+  static constexpr std::size_t kMaxAppend = 9;  // tokens one prefill appends at most
+  static std::size_t lowest_truncate(std::size_t) { return 0; }  // (longest size since reset)
 };
 
-template <>
-struct PropertyStore<ContiguousStore<double>> {
-  static ContiguousStore<double> make(const ModelConfig& cfg, std::size_t capacity) {
-    return ContiguousStore<double>(cfg, capacity);
+/// Blocks of 3 positions, and exactly as many blocks as a full sequence needs, so block
+/// boundaries fall inside prefill chunks and every block is reused after truncates and resets.
+template <class T>
+struct PropertyStore<PagedStore<T>> {
+  struct Holder {
+    Holder(const ModelConfig& cfg, std::size_t capacity)
+        : pool(cfg, (capacity + 2) / 3, 3, {.max_seq_len = capacity}), store(pool) {}
+    BlockPool<T> pool;
+    PagedStore<T> store;
+  };
+  static std::unique_ptr<Holder> make(const ModelConfig& cfg, std::size_t capacity) {
+    return std::make_unique<Holder>(cfg, capacity);
   }
-  static constexpr double kTolerance = 1e-12;
+  static constexpr std::size_t kWindow = 0;
+  static constexpr double kTolerance = kExactTolerance<T>;
+  static constexpr std::size_t kMaxAppend = 9;  // tokens one prefill appends at most
+  static std::size_t lowest_truncate(std::size_t) { return 0; }  // (longest size since reset)
+};
+
+/// A model trained with a window of 6: the reference applies the same windowed causal mask.
+/// The ring keeps the last R = W - 1 + max_chunk positions written, so a truncate to n must
+/// leave the window of the query at n, [n - W + 1, n), resident: n >= longest - R + W - 1,
+/// where `longest` is the largest size since the last reset.
+template <class T>
+struct PropertyStore<WindowStore<T>> {
+  static constexpr std::size_t kWindow = 6;
+  static constexpr std::size_t kMaxChunk = 4;  // = the Activations' max_tokens below
+  struct Holder {
+    WindowStore<T> store;
+  };
+  static std::unique_ptr<Holder> make(const ModelConfig& cfg, std::size_t capacity) {
+    return std::make_unique<Holder>(Holder{WindowStore<T>(
+        cfg, {.window = kWindow, .max_chunk = kMaxChunk, .max_positions = capacity})});
+  }
+  static constexpr double kTolerance = kExactTolerance<T>;
+  /// Onto a non-empty ring an append may bring at most max_chunk positions (a cancel must be
+  /// able to restore what it would overwrite).
+  static constexpr std::size_t kMaxAppend = kMaxChunk;
+  static std::size_t lowest_truncate(std::size_t longest) {
+    constexpr std::size_t ring = kWindow - 1 + kMaxChunk;
+    return longest > ring ? longest - ring + kWindow - 1 : 0;
+  }
 };
 
 std::uint64_t env_or(const char* name, std::uint64_t fallback) {
@@ -69,7 +122,9 @@ ModelConfig tiny_config() {
 template <class Store>
 class PropertyTest : public ::testing::Test {};
 
-using PropertyStores = ::testing::Types<ContiguousStore<float>, ContiguousStore<double>>;
+using PropertyStores =
+    ::testing::Types<ContiguousStore<float>, ContiguousStore<double>, PagedStore<float>,
+                     PagedStore<double>, WindowStore<float>, WindowStore<double>>;
 TYPED_TEST_SUITE(PropertyTest, PropertyStores);
 
 TYPED_TEST(PropertyTest, RandomOperationsMatchTheNoCacheRecompute) {
@@ -86,13 +141,18 @@ TYPED_TEST(PropertyTest, RandomOperationsMatchTheNoCacheRecompute) {
   const Model<T> model(kvdecode::random_weights<T>(cfg, seed ^ 0x5EED));
   const std::size_t capacity = 20;
   const auto vocab = static_cast<std::size_t>(cfg.vocab_size);
-  Store store = Traits::make(cfg, capacity);
+  const auto holder = Traits::make(cfg, capacity);
+  Store& store = holder->store;
   Activations<T> act(cfg, 4, store.block_scratch_size());  // chunks of 4: prefill splits longer
   kvdecode::detail::SplitMix64 rng(seed);
   const auto below = [&](std::size_t n) { return static_cast<std::size_t>(rng.next() % n); };
   const auto random_token = [&] { return static_cast<std::int32_t>(below(vocab)); };
 
   std::vector<std::int32_t> expected;  // the tokens the store should hold
+  const auto reference = [&] {
+    return kvdecode::forward_reference(model.weights(), expected, Traits::kWindow);
+  };
+  std::size_t longest = 0;  // the largest size since the last reset
   std::vector<T> all_logits;
   std::size_t counts[7] = {};
   const auto check_row = [&](std::span<const T> logits, std::size_t position,
@@ -116,14 +176,14 @@ TYPED_TEST(PropertyTest, RandomOperationsMatchTheNoCacheRecompute) {
     const std::size_t kind = below(100);
     if (kind < 35 && room > 0) {  // prefill a chunk, sometimes asking for every position's logits
       ++counts[0];
-      std::vector<std::int32_t> chunk(1 + below(std::min<std::size_t>(room, 9)));
+      std::vector<std::int32_t> chunk(1 + below(std::min(room, Traits::kMaxAppend)));
       for (auto& t : chunk) t = random_token();
       const bool want_all = below(4) == 0;
       all_logits.assign(want_all ? chunk.size() * vocab : 0, T{});
       const auto last = model.prefill(chunk, store, act, std::span<T>(all_logits));
       const std::size_t first = expected.size();
       expected.insert(expected.end(), chunk.begin(), chunk.end());
-      const std::vector<T> ref = model.forward_reference(expected);
+      const std::vector<T> ref = reference();
       check_row(last, expected.size() - 1, ref, op);
       for (std::size_t i = 0; want_all && i < chunk.size(); ++i)
         check_row(std::span<const T>(all_logits).subspan(i * vocab, vocab), first + i, ref, op);
@@ -132,16 +192,18 @@ TYPED_TEST(PropertyTest, RandomOperationsMatchTheNoCacheRecompute) {
       const std::int32_t token = random_token();
       const auto logits = model.decode(token, store, act);
       expected.push_back(token);
-      check_row(logits, expected.size() - 1, model.forward_reference(expected), op);
+      check_row(logits, expected.size() - 1, reference(), op);
     } else if (kind < 80) {  // truncate (rollback) to any length, including the current one
       ++counts[2];
-      const std::size_t n = below(expected.size() + 1);
+      const std::size_t lo = Traits::lowest_truncate(longest);
+      const std::size_t n = lo + below(expected.size() - lo + 1);
       store.truncate(n);
       expected.resize(n);
     } else if (kind < 83) {  // reset
       ++counts[3];
       store.reset();
       expected.clear();
+      longest = 0;
     } else if (kind < 90) {  // an append past the capacity: refused, nothing changes
       ++counts[4];
       std::vector<std::int32_t> chunk(room + 1 + below(3));
@@ -163,6 +225,7 @@ TYPED_TEST(PropertyTest, RandomOperationsMatchTheNoCacheRecompute) {
     }
     check_unchanged(op);
     if (::testing::Test::HasFatalFailure()) return;
+    longest = std::max(longest, expected.size());
   }
   std::printf(
       "  prefill %zu, decode %zu, truncate %zu, reset %zu, over capacity %zu, bad token "
