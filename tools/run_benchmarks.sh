@@ -27,18 +27,7 @@ cmake -S "${ROOT}" -B "${BUILD_DIR}" -DCMAKE_BUILD_TYPE=Release -DKVDECODE_BUILD
 cmake --build "${BUILD_DIR}" -j2 --target "${BENCHES[@]}"
 
 mkdir -p "${OUT_DIR}"
-# The machine, for the report.
-{
-  echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
-  echo "commit: $(git -C "${ROOT}" rev-parse --short HEAD 2>/dev/null || echo unknown)$(git -C "${ROOT}" diff --quiet 2>/dev/null || echo ' (+ uncommitted changes)')"
-  echo "cpu: $(lscpu | sed -n 's/^Model name: *//p' | head -1)"
-  echo "cpu_family_model: $(lscpu | sed -n 's/^CPU family: *//p' | head -1)/$(lscpu | sed -n 's/^Model: *//p' | head -1)"
-  echo "cores: $(nproc)"
-  echo "avx512: $(grep -q avx512f /proc/cpuinfo && echo yes || echo no)"
-  echo "memory: $(free -g | awk '/^Mem:/ {print $2 " GiB"}')"
-  echo "compiler: $(c++ --version | head -1)"
-  echo "kernel: $(uname -r)"
-} > "${OUT_DIR}/machine.txt"
+"${ROOT}/tools/machine_info.sh" > "${OUT_DIR}/machine.txt"
 cat "${OUT_DIR}/machine.txt"
 
 start=$(date +%s)
