@@ -1,37 +1,11 @@
 // A decode step performs no heap allocation: every operator new in this binary is counted, and
 // Eigen's own allocator is forbidden while decoding (EIGEN_RUNTIME_NO_MALLOC).
 #define EIGEN_RUNTIME_NO_MALLOC
-// The replacements below pair operator new with std::free by design (both ends are ours); GCC
-// cannot see that through inlining and warns.
-#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
 #include <gtest/gtest.h>
 
-#include <atomic>
-#include <cstdlib>
-#include <new>
-
+#include "counting_new.hpp"
 #include "kvdecode/kvdecode.hpp"
 #include "test_util.hpp"
-
-namespace {
-std::atomic<long> g_allocations{0};
-}  // namespace
-
-void* operator new(std::size_t n) {
-  g_allocations.fetch_add(1, std::memory_order_relaxed);
-  if (void* p = std::malloc(n == 0 ? 1 : n)) return p;
-  throw std::bad_alloc();
-}
-void* operator new(std::size_t n, std::align_val_t a) {
-  g_allocations.fetch_add(1, std::memory_order_relaxed);
-  const std::size_t align = static_cast<std::size_t>(a);
-  if (void* p = std::aligned_alloc(align, (n + align - 1) / align * align)) return p;
-  throw std::bad_alloc();
-}
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
-void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
 
 namespace kvdecode {
 namespace {

@@ -21,6 +21,7 @@
 #include <utility>
 #include <vector>
 
+#include "fixture_files.hpp"
 #include "kvdecode/io/checkpoint.hpp"
 #include "kvdecode/kvdecode.hpp"
 #include "kvdecode/tokenizer.hpp"
@@ -41,32 +42,14 @@ std::filesystem::path data_dir() {
   return std::filesystem::path(KVDECODE_TEST_DATA_DIR) / "llama2c-tiny";
 }
 
-std::string read_text(const std::filesystem::path& file) {
-  std::ifstream in(file, std::ios::binary);
-  EXPECT_TRUE(in) << "cannot open " << file;
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-}
+using testing_util::read_ids;
+using testing_util::read_text;
 
-std::vector<std::int32_t> read_ids(const std::filesystem::path& file) {
-  std::istringstream in(read_text(file));
-  std::vector<std::int32_t> ids;
-  for (std::int32_t id = 0; in >> id;) ids.push_back(id);
-  return ids;
-}
-
-// logits.f32: little-endian f32 [kPositions][kVocab], decoded byte by byte so the host's
-// endianness does not matter.
+// logits.f32: [kPositions][kVocab].
 std::vector<float> read_logits(const std::filesystem::path& file) {
-  const std::string bytes = read_text(file);
-  EXPECT_EQ(bytes.size(), 4 * kPositions * kVocab) << file;
-  std::vector<float> out(bytes.size() / 4);
-  for (std::size_t i = 0; i < out.size(); ++i) {
-    std::uint32_t u = 0;
-    for (std::size_t b = 0; b < 4; ++b)
-      u |= static_cast<std::uint32_t>(static_cast<unsigned char>(bytes[4 * i + b])) << (8 * b);
-    out[i] = std::bit_cast<float>(u);
-  }
-  return out;
+  std::vector<float> logits = testing_util::read_f32_le(file);
+  EXPECT_EQ(logits.size(), kPositions * kVocab) << file;
+  return logits;
 }
 
 struct Fixture {

@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "fixture_files.hpp"
 #include "kvdecode/io/checkpoint.hpp"
 #include "kvdecode/kvdecode.hpp"
 #include "kvdecode/tokenizer.hpp"
@@ -42,33 +43,8 @@ std::filesystem::path models_dir() {
   return std::filesystem::path(KVDECODE_TEST_DATA_DIR) / ".." / ".." / "models";
 }
 
-std::string read_text(const std::filesystem::path& file) {
-  std::ifstream in(file, std::ios::binary);
-  EXPECT_TRUE(in) << "cannot open " << file;
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-}
-
-std::vector<std::int32_t> read_ids(const std::filesystem::path& file) {
-  std::istringstream in(read_text(file));
-  std::vector<std::int32_t> ids;
-  for (std::int32_t id = 0; in >> id;) ids.push_back(id);
-  return ids;
-}
-
-// caseK.logits.f32: little-endian f32 [n_positions][vocab_size], decoded byte by byte so the
-// host's endianness does not matter.
-std::vector<float> read_logits(const std::filesystem::path& file) {
-  const std::string bytes = read_text(file);
-  EXPECT_EQ(bytes.size() % 4, 0u) << file;
-  std::vector<float> out(bytes.size() / 4);
-  for (std::size_t i = 0; i < out.size(); ++i) {
-    std::uint32_t u = 0;
-    for (std::size_t b = 0; b < 4; ++b)
-      u |= static_cast<std::uint32_t>(static_cast<unsigned char>(bytes[4 * i + b])) << (8 * b);
-    out[i] = std::bit_cast<float>(u);
-  }
-  return out;
-}
+using testing_util::read_ids;
+using testing_util::read_text;
 
 struct OracleCase {
   std::string prompt;
@@ -89,7 +65,7 @@ struct Fixture {
       c.prompt_ids = read_ids(base.string() + ".prompt_ids.txt");
       c.input_ids = read_ids(base.string() + ".input_ids.txt");
       c.generated_ids = read_ids(base.string() + ".generated_ids.txt");
-      c.logits = read_logits(base.string() + ".logits.f32");
+      c.logits = testing_util::read_f32_le(base.string() + ".logits.f32");
       cases.push_back(std::move(c));
     }
   }
