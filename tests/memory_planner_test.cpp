@@ -54,6 +54,111 @@ TEST(MemoryPlannerTest, BytesEqualWhatContiguousStoreReserves) {
   expect_matches_store<double>();
 }
 
+/// Every layout the planner knows, with the parameters the stores below are built with.
+std::vector<StoreLayout> layouts() {
+  std::vector<StoreLayout> l = {{.kind = StoreKind::kContiguous}, {.kind = StoreKind::kInt8}};
+  for (const std::uint64_t g : {2u, 16u, 64u}) l.push_back({.kind = StoreKind::kQ4, .group = g});
+  for (const bool streaming : {false, true})
+    l.push_back({.kind = StoreKind::kWindow,
+                 .window = 5,
+                 .sinks = 2,
+                 .max_chunk = 3,
+                 .streaming = streaming});
+  for (const std::uint64_t bs : {1u, 5u, 16u})
+    l.push_back({.kind = StoreKind::kPaged, .block_size = bs});
+  return l;
+}
+
+/// memory_bytes() of the store the layout describes, built for `capacity` positions (a paged
+/// sequence holding `capacity` pending positions, on a pool large enough).
+template <class T>
+std::uint64_t store_bytes(const ModelConfig& cfg, const StoreLayout& l, std::size_t capacity) {
+  switch (l.kind) {
+    case StoreKind::kContiguous:
+      return ContiguousStore<T>(cfg, capacity).memory_bytes();
+    case StoreKind::kInt8:
+      return Int8Store<T>(cfg, capacity).memory_bytes();
+    case StoreKind::kQ4:
+      return Q4Store<T>(cfg, capacity, l.group).memory_bytes();
+    case StoreKind::kWindow:
+      return WindowStore<T>(cfg, {.window = l.window,
+                                  .sinks = l.sinks,
+                                  .policy = l.streaming ? WindowPolicy::kStreaming
+                                                        : WindowPolicy::kTrainedWindow,
+                                  .max_chunk = l.max_chunk,
+                                  .max_positions = capacity})
+          .memory_bytes();
+    case StoreKind::kPaged: {
+      BlockPool<T> pool(cfg, (capacity + l.block_size - 1) / l.block_size, l.block_size,
+                        {.max_seq_len = capacity});
+      PagedStore<T> seq(pool);
+      const std::vector<std::int32_t> tokens(capacity, 1);
+      seq.begin_append(tokens);  // takes every block the positions need
+      const std::uint64_t bytes = seq.memory_bytes();
+      seq.cancel_append();
+      return bytes;
+    }
+  }
+  return 0;
+}
+
+template <class T>
+void expect_every_store_matches() {
+  for (const ModelConfig& cfg : configs()) {
+    for (const StoreLayout& l : layouts()) {
+      const MemoryPlanner<T> plan(cfg, l);
+      for (const std::size_t capacity : {1u, 7u, 16u, 63u, 64u, 65u, 130u}) {
+        EXPECT_EQ(plan.kv_bytes(capacity), store_bytes<T>(cfg, l, capacity))
+            << "kind " << static_cast<int>(l.kind) << " heads " << cfg.n_heads << "/"
+            << cfg.n_kv_heads << " head_size " << cfg.head_size() << " capacity " << capacity;
+        EXPECT_EQ(plan.kv_bytes(capacity, 3), 3 * plan.kv_bytes(capacity));
+      }
+    }
+  }
+}
+
+TEST(MemoryPlannerTest, BytesEqualWhatEveryStoreKindReserves) {
+  expect_every_store_matches<float>();
+  expect_every_store_matches<double>();
+}
+
+// The int8 store's scale costs 4 bytes per head_size values: 1/4 + 1/head_size of the f32
+// cache, within 27 % from head_size 64 up (26.6 % at 64, 27.1 % at 48).
+TEST(MemoryPlannerTest, Int8CacheIsAtMost27PercentOfF32FromHeadSize64) {
+  for (const std::int64_t hs : {64, 96, 128, 256}) {
+    const ModelConfig cfg = shape(4 * hs, 2, 4, 2, 64);
+    const MemoryPlanner<float> f32(cfg), i8(cfg, {.kind = StoreKind::kInt8});
+    const double ratio = static_cast<double>(i8.bytes_per_position()) /
+                         static_cast<double>(f32.bytes_per_position());
+    EXPECT_DOUBLE_EQ(ratio, 0.25 + 1.0 / static_cast<double>(hs)) << "head_size " << hs;
+    EXPECT_LE(ratio, 0.27) << "head_size " << hs;
+  }
+}
+
+TEST(MemoryPlannerTest, MaxContextIsTheLargestThatFitsForEveryStoreKind) {
+  constexpr std::uint64_t kUnbounded = std::numeric_limits<std::uint64_t>::max();
+  for (const ModelConfig& cfg : configs()) {
+    for (const StoreLayout& l : layouts()) {
+      const MemoryPlanner<float> plan(cfg, l);
+      for (const std::uint64_t batch : {1u, 3u}) {
+        for (const std::uint64_t budget :
+             {std::uint64_t{0}, plan.kv_bytes(1, batch) - 1, plan.kv_bytes(1, batch),
+              plan.kv_bytes(100, batch) + 17, std::uint64_t{1} << 24}) {
+          const std::uint64_t t = plan.max_context(budget, batch);
+          if (t == kUnbounded) {  // a window's memory does not grow with the context
+            EXPECT_EQ(l.kind, StoreKind::kWindow);
+            EXPECT_LE(plan.kv_bytes(1 << 20, batch), budget);
+            continue;
+          }
+          if (t > 0) EXPECT_LE(plan.kv_bytes(t, batch), budget) << "budget " << budget;
+          EXPECT_GT(plan.kv_bytes(t + 1, batch), budget)
+              << "kind " << static_cast<int>(l.kind) << " budget " << budget << " batch " << batch;
+        }
+      }
+    }
+  }
+}
+
 TEST(MemoryPlannerTest, MaxContextIsTheLargestThatFits) {
   for (const ModelConfig& cfg : configs()) {
     const MemoryPlanner<float> plan(cfg);
