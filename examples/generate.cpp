@@ -1,117 +1,200 @@
 // generate: text generation with kvdecode, streaming tokens as they are sampled and reporting
-// where the time went. Runs llama2.c checkpoints, or a built-in model when given none.
+// where the time and the memory traffic went. Runs the bundled KJV model by default, any
+// llama2.c checkpoint, or a built-in random model; every store and weight type of the library.
 //
-//   generate [--model FILE --tokenizer FILE] [--prompt TEXT] [-n N] [--temperature T]
-//            [--top-p P] [--top-k K] [--seed S] [--threads N] [--chunk N] [--no-cache]
-//            [--stats] [--help]
-#include <charconv>
+//   generate [--model FILE|builtin] [--tokenizer FILE] [--prompt TEXT] [-n N]
+//            [--temperature T] [--top-p P] [--top-k K] [--seed S] [--ignore-bos]
+//            [--threads N] [--chunk N]
+//            [--weights f32|bf16] [--kv f32|int8|q4] [--window W] [--sinks S]
+//            [--save-cache FILE] [--load-cache FILE] [--no-cache] [--stats] [--help]
+//
+// The data path: prompt text → token ids → Model::prefill into the KV store → logits → Sampler
+// → token → Model::decode (one token against the store) → logits → ... The store and weight
+// types are compile-time parameters of the model; the flags pick them once, in run().
+#include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <kvdecode/io/cache_file.hpp>
 #include <kvdecode/io/checkpoint.hpp>
 #include <kvdecode/kvdecode.hpp>
 #include <kvdecode/tokenizer.hpp>
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
+
+#include "cli.hpp"
+
+#ifndef KVDECODE_DEFAULT_MODEL_DIR  // set by examples/CMakeLists.txt to the repository's models/
+#define KVDECODE_DEFAULT_MODEL_DIR "models"
+#endif
 
 namespace {
 
 constexpr const char* kUsage = R"(usage: generate [options]
 
-Generates text with a KV-cached transformer. Without --model it runs a small built-in model with
-deterministic random weights (its text is noise, but the timings are real).
+Generates text with a KV-cached transformer, streaming it to stdout, then reports the prompt and
+decode speed, the bytes a decode step reads (GB/s) and the cache size on stderr.
 
-  --model FILE        llama2.c checkpoint (v0 format), e.g. stories15M.bin
+Model
+  --model FILE        llama2.c checkpoint (v0 format), e.g. stories15M.bin. Default: the bundled
+                      models/kjv_tiny.bin (1.77M parameters trained on the King James Bible).
+                      "builtin": a small model with deterministic random weights (its text is
+                      noise, its timings are real); also used when kjv_tiny.bin is missing.
   --tokenizer FILE    llama2.c tokenizer.bin (default: tokenizer.bin beside the model)
-  --prompt TEXT       prompt (default "Once upon a time")
+  --weights TYPE      f32 (default) or bf16: weights rounded to bfloat16, half the bytes a
+                      decode step reads; arithmetic stays f32
+
+Text
+  --prompt TEXT       prompt (default "And it came to pass" for the KJV model, "Once upon a
+                      time" for the others)
   -n N                tokens to generate (default 256); stops earlier at BOS or a full cache
-  --temperature T     0 = greedy (default 1.0)
+  --ignore-bos        go on after a BOS token (not printed) instead of ending the text, so
+                      that exactly N tokens are generated (benchmarks, tests)
+  --temperature T     0 = greedy (default 0.8: at 1.0 the small KJV model drifts into invented
+                      words; 0.8 keeps its spelling and rhythm and still varies)
   --top-p P           nucleus sampling mass, 0 or 1 disables (default 0.9)
   --top-k K           keep the K most likely tokens, 0 disables (default 0)
   --seed S            sampler seed, > 0 (default 42)
-  --threads N         worker threads (default 1)
-  --chunk N           prefill chunk: tokens per forward pass of the prompt (default 128)
+
+KV cache
+  --kv TYPE           f32 (default), int8 (one f32 scale per row, ~27 % of f32 at head_size
+                      64) or q4 (4-bit, per-channel key groups, ~15 %)
+  --window W          streaming window (StreamingLLM): keep the last W positions plus the
+                      sinks; generation goes on past the model's seq_len with bounded memory.
+                      Needs S + W <= seq_len; f32 only
+  --sinks S           first positions kept forever with --window (default 4)
+  --save-cache FILE   after the prompt is prefilled, save the cache to FILE (f32 store only)
+  --load-cache FILE   start from the cache in FILE: its tokens must be a prefix of the prompt's,
+                      and only the rest of the prompt is prefilled (f32 store only)
   --no-cache          recompute the whole sequence for every token (what a KV cache saves)
+
+Run
+  --threads N         threads for every forward step (default 1)
+  --chunk N           prefill chunk: tokens per forward pass of the prompt (default 128)
   --stats             print the report on stdout instead of stderr
   --help              this text
+
+Exit codes: 0 done, 1 an error (a missing or corrupt file), 2 a bad command line; either
+error is one line on stderr.
 )";
 
+constexpr std::string_view kBuiltin = "builtin";
+
+enum class WeightType { kF32, kBf16 };
+enum class KvType { kF32, kInt8, kQ4 };
+
 struct Options {
-  std::string model;
+  std::string model;  // "" = the bundled KJV model, kBuiltin = the random one, else a file
   std::string tokenizer;
-  std::string prompt = "Once upon a time";
+  std::optional<std::string> prompt;  // unset: the model's default prompt
   std::size_t n = 256;
-  double temperature = 1.0;
+  double temperature = 0.8;
   double top_p = 0.9;
   std::int64_t top_k = 0;
   std::uint64_t seed = 42;
   std::size_t threads = 1;
   std::size_t chunk = 128;
+  WeightType weights = WeightType::kF32;
+  KvType kv = KvType::kF32;
+  std::size_t window = 0;  // 0 = no window
+  std::optional<std::size_t> sinks;
+  std::string save_cache;
+  std::string load_cache;
+  bool ignore_bos = false;
   bool no_cache = false;
   bool stats_to_stdout = false;
 };
 
-struct UsageError {
-  std::string message;
-};
-
-template <class N>
-N parse_number(std::string_view flag, std::string_view text) {
-  N value{};
-  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
-  if (ec != std::errc() || end != text.data() + text.size())
-    throw UsageError{std::string(flag) + " expects a number, got '" + std::string(text) + "'"};
-  return value;
-}
-
 Options parse(int argc, char** argv) {
   Options o;
-  for (int i = 1; i < argc; ++i) {
-    const std::string_view a = argv[i];
-    const auto value = [&]() -> std::string_view {
-      if (i + 1 >= argc) throw UsageError{std::string(a) + " needs a value"};
-      return argv[++i];
-    };
+  for (cli::Args args(argc, argv); args.next();) {
+    const std::string_view a = args.flag();
     if (a == "--help" || a == "-h") {
       std::fputs(kUsage, stdout);
       std::exit(0);
     } else if (a == "--model") {
-      o.model = value();
+      o.model = args.value();
     } else if (a == "--tokenizer") {
-      o.tokenizer = value();
+      o.tokenizer = args.value();
     } else if (a == "--prompt") {
-      o.prompt = value();
+      o.prompt = std::string(args.value());
     } else if (a == "-n") {
-      o.n = parse_number<std::size_t>(a, value());
+      o.n = args.number<std::size_t>();
     } else if (a == "--temperature") {
-      o.temperature = parse_number<double>(a, value());
+      o.temperature = args.number<double>();
     } else if (a == "--top-p") {
-      o.top_p = parse_number<double>(a, value());
+      o.top_p = args.number<double>();
     } else if (a == "--top-k") {
-      o.top_k = parse_number<std::int64_t>(a, value());
+      o.top_k = args.number<std::int64_t>();
     } else if (a == "--seed") {
-      o.seed = parse_number<std::uint64_t>(a, value());
+      o.seed = args.number<std::uint64_t>();
     } else if (a == "--threads") {
-      o.threads = parse_number<std::size_t>(a, value());
+      o.threads = args.number<std::size_t>();
     } else if (a == "--chunk") {
-      o.chunk = parse_number<std::size_t>(a, value());
+      o.chunk = args.number<std::size_t>();
+    } else if (a == "--weights") {
+      const std::string_view v = args.value();
+      if (v == "f32") {
+        o.weights = WeightType::kF32;
+      } else if (v == "bf16") {
+        o.weights = WeightType::kBf16;
+      } else {
+        throw cli::UsageError{"--weights expects f32 or bf16, got '" + std::string(v) + "'"};
+      }
+    } else if (a == "--kv") {
+      const std::string_view v = args.value();
+      if (v == "f32") {
+        o.kv = KvType::kF32;
+      } else if (v == "int8") {
+        o.kv = KvType::kInt8;
+      } else if (v == "q4") {
+        o.kv = KvType::kQ4;
+      } else {
+        throw cli::UsageError{"--kv expects f32, int8 or q4, got '" + std::string(v) + "'"};
+      }
+    } else if (a == "--window") {
+      o.window = args.number<std::size_t>();
+      if (o.window == 0) throw cli::UsageError{"--window must be >= 1"};
+    } else if (a == "--sinks") {
+      o.sinks = args.number<std::size_t>();
+    } else if (a == "--save-cache") {
+      o.save_cache = args.value();
+    } else if (a == "--load-cache") {
+      o.load_cache = args.value();
+    } else if (a == "--ignore-bos") {
+      o.ignore_bos = true;
     } else if (a == "--no-cache") {
       o.no_cache = true;
     } else if (a == "--stats") {
       o.stats_to_stdout = true;
     } else {
-      throw UsageError{"unknown argument '" + std::string(a) + "'"};
+      args.unknown();
     }
   }
+  using cli::UsageError;
   if (o.temperature < 0) throw UsageError{"--temperature must be >= 0"};
   if (o.top_k < 0) throw UsageError{"--top-k must be >= 0"};
   if (o.seed == 0) throw UsageError{"--seed must be > 0"};
   if (o.threads == 0) throw UsageError{"--threads must be >= 1"};
   if (o.chunk == 0) throw UsageError{"--chunk must be >= 1"};
-  if (!o.tokenizer.empty() && o.model.empty())
-    throw UsageError{"--tokenizer needs --model (the vocabulary size comes from the checkpoint)"};
+  if (!o.tokenizer.empty() && (o.model.empty() || o.model == kBuiltin))
+    throw UsageError{
+        "--tokenizer needs --model FILE (the vocabulary size comes from the checkpoint)"};
+  if (o.sinks && o.window == 0) throw UsageError{"--sinks needs --window"};
+  if (o.window > 0 && o.kv != KvType::kF32)
+    throw UsageError{"--window keeps f32 rows and cannot be combined with --kv int8 or q4"};
+  if (o.window > 0 && o.no_cache)
+    throw UsageError{"--no-cache recomputes everything; it cannot be combined with --window"};
+  const bool cache_file = !o.save_cache.empty() || !o.load_cache.empty();
+  if (cache_file && (o.kv != KvType::kF32 || o.window > 0))
+    throw UsageError{
+        "--save-cache and --load-cache need the f32 store (no --kv int8/q4, no --window)"};
+  if (cache_file && o.no_cache)
+    throw UsageError{"--save-cache and --load-cache cannot be combined with --no-cache"};
   return o;
 }
 
@@ -174,97 +257,329 @@ kvdecode::Tokenizer builtin_tokenizer(std::int64_t vocab_size) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Where the weights and the vocabulary come from.
 
-int run(const Options& o) {
-  using namespace kvdecode;
-  std::optional<Model<float>> model;
-  std::optional<Tokenizer> tokenizer;
+struct Source {
+  std::string name;  // for the report
+  kvdecode::Weights<float> weights;
+  kvdecode::Tokenizer tokenizer;
+  std::vector<std::int32_t> prompt;  // [prompt tokens] BOS, then --prompt or the model's default
+};
+
+Source load_source(const Options& o) {
+  namespace fs = std::filesystem;
+  using kvdecode::Tokenizer;
+  fs::path model = o.model;
+  std::string default_prompt = "Once upon a time";
   if (o.model.empty()) {
-    model.emplace(random_weights<float>(builtin_config(), 2026));
-    tokenizer.emplace(builtin_tokenizer(builtin_config().vocab_size));
-  } else {
-    model.emplace(load_checkpoint(o.model));
-    const std::filesystem::path tok =
-        o.tokenizer.empty() ? std::filesystem::path(o.model).parent_path() / "tokenizer.bin"
-                            : std::filesystem::path(o.tokenizer);
-    tokenizer.emplace(Tokenizer::load(tok, model->config().vocab_size));
+    model = fs::path(KVDECODE_DEFAULT_MODEL_DIR) / "kjv_tiny.bin";
+    if (!fs::exists(model)) {
+      std::fprintf(stderr, "generate: %s not found; running the built-in random model\n",
+                   model.string().c_str());
+      model = std::string(kBuiltin);
+    } else {
+      default_prompt = "And it came to pass";
+    }
   }
-  const ModelConfig& cfg = model->config();
+  const std::string text = o.prompt.value_or(default_prompt);
+  if (model == kBuiltin) {
+    Tokenizer tokenizer = builtin_tokenizer(builtin_config().vocab_size);
+    std::vector<std::int32_t> ids = tokenizer.encode(text, /*bos=*/true);
+    return {"built-in random", kvdecode::random_weights<float>(builtin_config(), 2026),
+            std::move(tokenizer), std::move(ids)};
+  }
+  kvdecode::Weights<float> weights = kvdecode::load_checkpoint(model);
+  const fs::path tok =
+      o.tokenizer.empty() ? model.parent_path() / "tokenizer.bin" : fs::path(o.tokenizer);
+  Tokenizer tokenizer = Tokenizer::load(tok, weights.config.vocab_size);
+  std::vector<std::int32_t> ids = tokenizer.encode(text, /*bos=*/true);
+  return {model.string(), std::move(weights), std::move(tokenizer), std::move(ids)};
+}
 
-  const std::vector<std::int32_t> prompt = tokenizer->encode(o.prompt, /*bos=*/true);
-  ContiguousStore<float> cache(cfg);
-  Activations<float> act(cfg, o.chunk);
+// ---------------------------------------------------------------------------------------------
+// What the report says about each store: its name and the bytes attention reads per step.
+
+using kvdecode::ContiguousStore;
+using kvdecode::Int8Store;
+using kvdecode::Q4Store;
+using kvdecode::WindowStore;
+
+/// Bytes of K and V one cached position holds over all layers and kv heads.
+double kv_bytes_per_position(const ContiguousStore<float>&, const kvdecode::ModelConfig& c) {
+  return 2.0 * static_cast<double>(c.n_layers * c.kv_dim()) * sizeof(float);
+}
+double kv_bytes_per_position(const WindowStore<float>&, const kvdecode::ModelConfig& c) {
+  return 2.0 * static_cast<double>(c.n_layers * c.kv_dim()) * sizeof(float);
+}
+double kv_bytes_per_position(const Int8Store<float>&, const kvdecode::ModelConfig& c) {
+  return static_cast<double>(Int8Store<float>::bytes_per_token(c));
+}
+double kv_bytes_per_position(const Q4Store<float>&, const kvdecode::ModelConfig& c) {
+  return Q4Store<float>::bytes_per_token(c);  // key-group metadata amortised over a group
+}
+
+/// Positions the newest query attends to: the whole cache, or the sinks and the window.
+template <class S>
+std::size_t positions_attended(const S& store) {
+  return store.size();
+}
+std::size_t positions_attended(const WindowStore<float>& store) {
+  return std::min(store.size(), store.sinks() + store.window());
+}
+
+/// Tokens per prefill pass: --chunk, or what the window's ring was sized for.
+template <class S>
+std::size_t prefill_chunk(const S&, std::size_t chunk) {
+  return chunk;
+}
+std::size_t prefill_chunk(const WindowStore<float>& s, std::size_t) { return s.max_chunk(); }
+
+/// What the store's memory_bytes() hold.
+template <class S>
+std::string reserved_for(const S& store) {
+  return std::to_string(store.capacity()) + " positions";
+}
+std::string reserved_for(const WindowStore<float>& s) {
+  return std::to_string(s.sinks() + s.window() - 1 + s.max_chunk()) +
+         " rows (S + W - 1 + chunk), whatever the length";
+}
+
+std::string describe(const ContiguousStore<float>&) { return "f32 (ContiguousStore)"; }
+std::string describe(const Int8Store<float>&) { return "int8 (Int8Store, f32 scale per row)"; }
+std::string describe(const Q4Store<float>&) { return "q4 (Q4Store, key groups of 64)"; }
+std::string describe(const WindowStore<float>& s) {
+  return "f32 window " + std::to_string(s.window()) + " + " + std::to_string(s.sinks()) +
+         " sinks (WindowStore, streaming)";
+}
+
+// ---------------------------------------------------------------------------------------------
+// Generation over one model and store type.
+
+using Clock = std::chrono::steady_clock;
+double ms_since(Clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+}
+
+/// The generation loop of kvdecode::generate(), written out here because the generator also
+/// continues from a restored cache, saves the cache between prefill and decode, and streams a
+/// prompt longer than a window through decode.
+template <class W, kvdecode::KvStore S>
+int generate_with(const Options& o, const Source& src, const kvdecode::Model<float, W>& model,
+                  S& cache, kvdecode::ThreadPool& pool) {
+  using namespace kvdecode;
+  const ModelConfig& cfg = model.config();
+  const Tokenizer& tokenizer = src.tokenizer;
+  const std::vector<std::int32_t>& prompt = src.prompt;
+  Activations<float> act(cfg, prefill_chunk(cache, o.chunk), cache.block_scratch_size(), &pool);
+  WorkCounters counters;
+  act.counters = &counters;
   Sampler sampler(cfg.vocab_size, SamplerOptions{o.temperature, o.top_p, o.top_k, o.seed});
-  GenerationOptions gen;
-  gen.max_new_tokens = o.n;
-  gen.stop_token = Tokenizer::kBos;  // as run.c: a BOS ends the text
-  gen.use_cache = !o.no_cache;
+
+  // Restore a saved prefix of the prompt (checked against the prompt's tokens) and its
+  // fingerprint of the weights, computed once for both restore and save.
+  std::optional<ModelFingerprint> fingerprint;
+  if (!o.load_cache.empty() || !o.save_cache.empty()) fingerprint = model_fingerprint(model);
+  std::size_t from_file = 0;
+  if (!o.load_cache.empty()) {
+    if constexpr (std::is_same_v<S, ContiguousStore<float>>) {
+      from_file = restore_prompt_prefix(*fingerprint, cache, prompt, o.load_cache);
+    }
+  }
+  KVDECODE_CHECK(cache.size() + prompt.size() - from_file <= cache.capacity(), "the prompt has ",
+                 prompt.size(), " tokens but the cache holds at most ", cache.capacity());
 
   // Echo the prompt as run.c does: every piece after BOS, through its safe_printf rule.
   for (std::size_t i = 1; i < prompt.size(); ++i)
     std::fputs(
-        std::string(Tokenizer::printed_text(tokenizer->decode(prompt[i - 1], prompt[i]))).c_str(),
+        std::string(Tokenizer::printed_text(tokenizer.decode(prompt[i - 1], prompt[i]))).c_str(),
         stdout);
   std::fflush(stdout);
+
+  // ---- prefill: the prompt tokens the cache does not hold yet ----
+  const auto start = Clock::now();
+  std::span<const std::int32_t> rest = std::span(prompt).subspan(from_file);
+  std::size_t at_once = rest.size();
+  if constexpr (std::is_same_v<S, WindowStore<float>>) {
+    // A streaming window takes one position at a time once full: prefill what fits, then feed
+    // the rest of the prompt through decode.
+    at_once = std::min(at_once, cache.sinks() + cache.window() - cache.size());
+  }
+  std::span<const float> logits = model.prefill(rest.first(at_once), cache, act);
+  for (const std::int32_t token : rest.subspan(at_once)) logits = model.decode(token, cache, act);
+  const double prefill_ms = ms_since(start);
+  double save_ms = 0;
+  if (!o.save_cache.empty()) {
+    if constexpr (std::is_same_v<S, ContiguousStore<float>>) {
+      const auto t0 = Clock::now();
+      save_cache(*fingerprint, cache, o.save_cache);
+      save_ms = ms_since(t0);
+    }
+  }
+  const std::size_t saved = cache.size();
+
+  // ---- decode: sample, print, feed the token back ----
+  counters = WorkCounters{};           // from here on: the decode steps only
+  std::vector<std::int32_t> sequence;  // --no-cache: every token so far, recomputed per step
+  if (o.no_cache) {
+    sequence.reserve(cache.capacity());
+    sequence.assign(prompt.begin(), prompt.end());
+  }
+  std::size_t generated = 0;
+  double ttft_ms = 0;
+  double kv_bytes_read = 0;  // K/V bytes the decode steps' attention read from the store
+  bool hit_stop = false;
+  bool hit_capacity = false;
   std::int32_t prev = prompt.back();
-  const GenerationStats st = generate(*model, cache, act, std::span<const std::int32_t>(prompt),
-                                      sampler, gen, [&](std::int32_t token) {
-                                        if (token == Tokenizer::kBos) return;
-                                        const std::string_view text =
-                                            Tokenizer::printed_text(tokenizer->decode(prev, token));
-                                        std::fwrite(text.data(), 1, text.size(), stdout);
-                                        std::fflush(stdout);
-                                        prev = token;
-                                      });
+  const auto decode_start = Clock::now();
+  while (generated < o.n) {
+    const std::int32_t token = sampler.sample(logits);
+    if (generated++ == 0) ttft_ms = ms_since(start);
+    if (token == Tokenizer::kBos && !o.ignore_bos) {  // as run.c: a BOS ends the text
+      hit_stop = true;
+      break;
+    }
+    if (token != Tokenizer::kBos) {
+      const std::string_view text = Tokenizer::printed_text(tokenizer.decode(prev, token));
+      std::fwrite(text.data(), 1, text.size(), stdout);
+      std::fflush(stdout);
+    }
+    prev = token;
+    if (generated == o.n) break;
+    if (cache.size() == cache.capacity()) {
+      hit_capacity = true;
+      break;
+    }
+    if (o.no_cache) {
+      sequence.push_back(token);
+      cache.reset();
+      logits = model.prefill(std::span<const std::int32_t>(sequence), cache, act);
+    } else {
+      logits = model.decode(token, cache, act);
+      kv_bytes_read +=
+          static_cast<double>(positions_attended(cache)) * kv_bytes_per_position(cache, cfg);
+    }
+  }
+  const double decode_ms = ms_since(decode_start);
   std::fputs("\n", stdout);
   std::fflush(stdout);
 
-  const std::size_t formula = 2 * static_cast<std::size_t>(cfg.n_layers) * cache.capacity() *
-                              static_cast<std::size_t>(cfg.kv_dim()) * sizeof(float);
+  // ---- report ----
   std::FILE* out = o.stats_to_stdout ? stdout : stderr;
-  std::fprintf(out, "model              %s (dim %lld, %lld layers, %lld/%lld heads, vocab %lld)\n",
-               o.model.empty() ? "built-in random" : o.model.c_str(),
-               static_cast<long long>(cfg.dim), static_cast<long long>(cfg.n_layers),
-               static_cast<long long>(cfg.n_heads), static_cast<long long>(cfg.n_kv_heads),
-               static_cast<long long>(cfg.vocab_size));
-  std::fprintf(out, "mode               %s, %zu thread(s), seed %llu\n",
-               o.no_cache ? "no cache (full recompute per token)" : "KV cache", o.threads,
-               static_cast<unsigned long long>(o.seed));
-  std::fprintf(out, "prompt tokens      %zu\n", st.prompt_tokens);
-  std::fprintf(out, "generated tokens   %zu%s\n", st.generated_tokens,
-               st.hit_stop_token ? " (stopped at BOS)"
-               : st.hit_capacity ? " (cache full)"
-                                 : "");
-  std::fprintf(out, "prefill            %.2f ms, %.1f tok/s\n", st.prefill_ms,
-               st.prefill_tokens_per_s());
-  std::fprintf(out, "time to first tok  %.2f ms\n", st.ttft_ms);
-  std::fprintf(out, "decode             %.1f tok/s (%zu tokens in %.2f ms)\n",
-               st.decode_tokens_per_s(), st.generated_tokens > 0 ? st.generated_tokens - 1 : 0,
-               st.decode_ms);
+  const auto ll = [](auto v) { return static_cast<long long>(v); };
   std::fprintf(out,
-               "KV cache           %zu bytes allocated; formula 2 x %lld layers x %zu positions x "
-               "%lld kv_dim x 4 B = %zu\n",
-               cache.memory_bytes(), static_cast<long long>(cfg.n_layers), cache.capacity(),
-               static_cast<long long>(cfg.kv_dim()), formula);
+               "model              %s (dim %lld, %lld layers, %lld/%lld heads, vocab %lld, "
+               "seq_len %lld)\n",
+               src.name.c_str(), ll(cfg.dim), ll(cfg.n_layers), ll(cfg.n_heads), ll(cfg.n_kv_heads),
+               ll(cfg.vocab_size), ll(cfg.seq_len));
+  std::fprintf(out, "weights            %s, %zu bytes\n", std::is_same_v<W, bf16> ? "bf16" : "f32",
+               model.weights().bytes());
+  std::fprintf(out, "KV store           %s, %zu bytes reserved for %s\n", describe(cache).c_str(),
+               cache.memory_bytes(), reserved_for(cache).c_str());
+  if constexpr (std::is_same_v<S, ContiguousStore<float>>) {
+    const std::size_t formula = 2 * static_cast<std::size_t>(cfg.n_layers) * cache.capacity() *
+                                static_cast<std::size_t>(cfg.kv_dim()) * sizeof(float);
+    std::fprintf(out,
+                 "                   formula 2 x %lld layers x %zu positions x %lld kv_dim x 4 B "
+                 "= %zu\n",
+                 ll(cfg.n_layers), cache.capacity(), ll(cfg.kv_dim()), formula);
+  }
+  std::fprintf(out, "mode               %s, %zu thread(s)\n",
+               o.no_cache ? "no cache (full recompute per token)" : "KV cache",
+               act.pool == nullptr ? std::size_t{1} : act.pool->size());
+  std::fprintf(out, "sampling           temperature %g, top-p %g, top-k %lld, seed %llu\n",
+               o.temperature, o.top_p, ll(o.top_k), static_cast<unsigned long long>(o.seed));
+  std::fprintf(out, "prompt tokens      %zu", prompt.size());
+  if (!o.load_cache.empty())
+    std::fprintf(out, " (%zu from cache file %s)", from_file, o.load_cache.c_str());
+  std::fputs("\n", out);
+  std::fprintf(out, "generated tokens   %zu%s\n", generated,
+               hit_stop       ? " (stopped at BOS)"
+               : hit_capacity ? " (cache full)"
+                              : "");
+  const std::size_t prefilled = prompt.size() - from_file;
+  std::fprintf(out, "prefill            %.2f ms, %.1f tok/s (%zu tokens)\n", prefill_ms,
+               prefill_ms > 0 ? 1e3 * static_cast<double>(prefilled) / prefill_ms : 0.0, prefilled);
+  if (!o.save_cache.empty())
+    std::fprintf(out, "cache saved        %s (%zu positions) in %.2f ms\n", o.save_cache.c_str(),
+                 saved, save_ms);
+  std::fprintf(out, "time to first tok  %.2f ms\n", ttft_ms);
+  const std::size_t steps = generated > 0 ? generated - 1 : 0;  // all but the first token
+  const double tok_s = decode_ms > 0 ? 1e3 * static_cast<double>(steps) / decode_ms : 0.0;
+  if (o.no_cache) {
+    std::fprintf(out, "decode             %.1f tok/s (%zu tokens in %.2f ms)\n", tok_s, steps,
+                 decode_ms);
+  } else {
+    // Bytes the decode steps streamed: every weight once per step (WorkCounters counts them
+    // exactly) plus the store's bytes for every position attended. (WorkCounters' own
+    // kv_bytes_read counts f32 rows of the whole history, what ContiguousStore reads and equal
+    // to kv_bytes_read here for it; the int8, q4 and window stores read fewer bytes.)
+    const auto weight_bytes = static_cast<double>(counters.decode.weight_bytes_read);
+    const double bytes = weight_bytes + kv_bytes_read;
+    const double per_step = steps > 0 ? 1.0 / static_cast<double>(steps) : 0.0;
+    std::fprintf(out,
+                 "decode             %.1f tok/s, %.2f GB/s (%zu tokens in %.2f ms; per token "
+                 "%.3f MB weights + %.3f MB KV)\n",
+                 tok_s, decode_ms > 0 ? bytes / (decode_ms * 1e6) : 0.0, steps, decode_ms,
+                 weight_bytes * per_step / 1e6, kv_bytes_read * per_step / 1e6);
+  }
   return 0;
+}
+
+/// Builds the store the flags ask for and runs the generation over it: the one place a runtime
+/// choice becomes a type.
+template <class W>
+int generate_with_store(const Options& o, const Source& src, const kvdecode::Model<float, W>& model,
+                        kvdecode::ThreadPool& pool) {
+  using namespace kvdecode;
+  const ModelConfig& cfg = model.config();
+  if (o.window > 0) {
+    const std::size_t sinks = o.sinks.value_or(4);
+    if (sinks + o.window > static_cast<std::size_t>(cfg.seq_len))
+      throw cli::UsageError{"--sinks + --window = " + std::to_string(sinks + o.window) +
+                            " exceeds the model's seq_len " + std::to_string(cfg.seq_len)};
+    WindowOptions wo;
+    wo.window = o.window;
+    wo.sinks = sinks;
+    wo.policy = WindowPolicy::kStreaming;
+    // No prefill chunk is longer than S + W (see generate_with), and the ring's size grows
+    // with the chunk.
+    wo.max_chunk = std::min(o.chunk, sinks + o.window);
+    // Only the token ids (4 bytes each) grow with the length; K and V stay S + W - 1 + chunk.
+    wo.max_positions = src.prompt.size() + o.n;
+    WindowStore<float> store(cfg, wo);
+    return generate_with(o, src, model, store, pool);
+  }
+  switch (o.kv) {
+    case KvType::kInt8: {
+      Int8Store<float> store(cfg);
+      return generate_with(o, src, model, store, pool);
+    }
+    case KvType::kQ4: {
+      Q4Store<float> store(cfg);
+      return generate_with(o, src, model, store, pool);
+    }
+    case KvType::kF32:
+      break;
+  }
+  ContiguousStore<float> store(cfg);
+  return generate_with(o, src, model, store, pool);
+}
+
+int run(const Options& o) {
+  using namespace kvdecode;
+  Source src = load_source(o);
+  ThreadPool pool(o.threads);
+  // The model takes the weights over (bf16: rounded copies; the f32 ones are freed here).
+  if (o.weights == WeightType::kBf16) {
+    const Model<float, bf16> model(convert_weights<bf16>(std::exchange(src.weights, {})));
+    return generate_with_store(o, src, model, pool);
+  }
+  const Model<float> model(std::exchange(src.weights, {}));
+  return generate_with_store(o, src, model, pool);
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  Options options;
-  try {
-    options = parse(argc, argv);
-  } catch (const UsageError& e) {
-    std::fprintf(stderr, "generate: %s\n\n%s", e.message.c_str(), kUsage);
-    return 2;
-  }
-  try {
-    return run(options);
-  } catch (const kvdecode::Error& e) {
-    std::fprintf(stderr, "generate: %s\n", e.what());
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "generate: error: %s\n", e.what());
-  }
-  return 1;
+  return cli::run_main("generate", [&] { return run(parse(argc, argv)); });
 }

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The README's two commands. On Debian 12 (root, or a user with sudo):
 #   tools/setup.sh demo   install what is missing, build, run the generator on its default model
+#                         (models/kjv_tiny.bin); further arguments go to the generator
 #   tools/setup.sh test   install what is missing, build, run every test
 # Only packages that are not installed yet are installed; nothing else is downloaded.
 set -euo pipefail
