@@ -1,6 +1,7 @@
 // ThreadPool: a fixed set of persistent worker threads that run one parallel region at a time,
 // woken through atomics (spin briefly, then futex-wait), so a decode step's ~100 regions cost
-// microseconds, not thread launches. Plain std::thread; nothing depends on OpenMP.
+// microseconds, not thread launches. Parts of a region are claimed, not assigned, so a worker the
+// OS has descheduled never holds the caller up. Plain std::thread; nothing depends on OpenMP.
 #pragma once
 
 #include <algorithm>
@@ -20,9 +21,17 @@
 
 namespace kvdecode {
 
-/// Runs a function on n_threads threads at once: the calling thread is thread 0 and n_threads-1
-/// workers are the rest. The caller owns the pool and passes a pointer to it in Activations;
-/// a Model never owns threads, so it stays immutable and shareable.
+/// Runs the parts 0 .. n_threads-1 of a region on up to n_threads threads: the calling thread
+/// and n_threads-1 workers claim parts from a shared counter until none is left. The caller owns
+/// the pool and passes a pointer to it in Activations; a Model never owns threads, so it stays
+/// immutable and shareable.
+///
+/// Why claim parts: on a loaded machine (more runnable threads than cores) a worker may not run
+/// for a whole scheduler time slice, milliseconds, and a decode step has ~100 regions. With
+/// fixed assignment every region would wait for it; here the caller takes the absent worker's
+/// part, closes the region, and waits only for workers that had already joined it. A worker
+/// that wakes after the close skips the region. Two parts never run at once on one thread, so
+/// per-part scratch (indexed by the part) is never shared.
 ///
 /// One region runs at a time: run() must not be called concurrently on one pool nor from inside
 /// a region (one pool per decoding thread). A region's function must not throw through run()
@@ -37,7 +46,7 @@ class ThreadPool {
                    " threads requested, at most 1024");
     n_threads_ = n_threads;
     workers_.reserve(n_threads - 1);
-    for (std::size_t i = 1; i < n_threads; ++i) workers_.emplace_back([this, i] { work(i); });
+    for (std::size_t i = 1; i < n_threads; ++i) workers_.emplace_back([this] { work(); });
   }
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
@@ -51,8 +60,9 @@ class ThreadPool {
   /// Threads a region runs on, the caller included.
   std::size_t size() const { return n_threads_; }
 
-  /// Calls f(thread_index) once on each of size() threads (index 0 on the caller) and returns
-  /// when all calls have returned. Allocates nothing: f is referenced, not copied.
+  /// Calls f(part) exactly once for each part in [0, size()), on the caller and whichever workers
+  /// join in time, and returns when all calls have returned. Allocates nothing: f is
+  /// referenced, not copied.
   template <class F>
   void run(F&& f) {
     if (n_threads_ == 1) {
@@ -62,22 +72,23 @@ class ThreadPool {
     using Fn = std::remove_reference_t<F>;
     ctx_ = const_cast<void*>(static_cast<const void*>(&f));
     call_ = [](void* ctx, std::size_t i) { (*static_cast<Fn*>(ctx))(i); };
-    remaining_.store(n_threads_ - 1, std::memory_order_relaxed);
+    next_part_.store(0, std::memory_order_relaxed);
+    // Reopen (release: a worker that joins sees ctx_ and call_). Clearing only the bit keeps the
+    // count of late workers that are stepping out of the previous, closed region.
+    joined_.fetch_and(~kClosed, std::memory_order_acq_rel);
     generation_.fetch_add(1, std::memory_order_release);
     generation_.notify_all();
-    try {
-      f(std::size_t{0});
-    } catch (...) {
-      record(std::current_exception());
-    }
-    // Workers finish within microseconds of the caller in a balanced region: spin, then sleep.
-    for (int spin = 0; remaining_.load(std::memory_order_acquire) != 0; ++spin) {
+    run_parts();
+    // Every part is claimed. Close the region so late workers skip it, then wait for the ones
+    // inside (they finish within microseconds in a balanced region: spin, then sleep).
+    std::uint64_t inside = joined_.fetch_or(kClosed, std::memory_order_acq_rel) & ~kClosed;
+    for (int spin = 0; inside != 0; ++spin) {
       if (spin < kSpins) {
         pause();
       } else {
-        const std::size_t left = remaining_.load(std::memory_order_acquire);
-        if (left != 0) remaining_.wait(left, std::memory_order_acquire);
+        joined_.wait(kClosed | inside, std::memory_order_acquire);
       }
+      inside = joined_.load(std::memory_order_acquire) & ~kClosed;
     }
     if (error_) {
       std::exception_ptr e = std::exchange(error_, nullptr);
@@ -110,7 +121,19 @@ class ThreadPool {
 #endif
   }
 
-  void work(std::size_t index) {
+  /// Claims and runs parts until none is left (caller and workers alike).
+  void run_parts() {
+    for (std::size_t p = next_part_.fetch_add(1, std::memory_order_relaxed); p < n_threads_;
+         p = next_part_.fetch_add(1, std::memory_order_relaxed)) {
+      try {
+        call_(ctx_, p);
+      } catch (...) {
+        record(std::current_exception());
+      }
+    }
+  }
+
+  void work() {
     std::uint64_t seen = 0;
     for (;;) {
       std::uint64_t g = generation_.load(std::memory_order_acquire);
@@ -124,12 +147,11 @@ class ThreadPool {
       }
       seen = g;
       if (stop_.load(std::memory_order_relaxed)) return;
-      try {
-        call_(ctx_, index);
-      } catch (...) {
-        record(std::current_exception());
-      }
-      if (remaining_.fetch_sub(1, std::memory_order_acq_rel) == 1) remaining_.notify_one();
+      // Join the open region, if it still is: a region the caller has closed may already be
+      // gone (its function was on the caller's stack), and a newer one will bump the
+      // generation again. Joining a newer open region than `g` is fine: its parts are claimed.
+      if ((joined_.fetch_add(1, std::memory_order_acq_rel) & kClosed) == 0) run_parts();
+      if (joined_.fetch_sub(1, std::memory_order_acq_rel) == (kClosed | 1)) joined_.notify_one();
     }
   }
 
@@ -145,7 +167,10 @@ class ThreadPool {
   void (*call_)(void*, std::size_t) = nullptr;
   void* ctx_ = nullptr;
   alignas(64) std::atomic<std::uint64_t> generation_{0};  // bumped once per region
-  alignas(64) std::atomic<std::size_t> remaining_{0};     // workers still in the region
+  alignas(64) std::atomic<std::size_t> next_part_{0};     // the next unclaimed part
+  // Workers inside the current region, plus kClosed once the caller has closed it.
+  alignas(64) std::atomic<std::uint64_t> joined_{kClosed};
+  static constexpr std::uint64_t kClosed = std::uint64_t{1} << 63;
   std::atomic<bool> stop_{false};
   std::atomic<bool> error_claimed_{false};
   std::exception_ptr error_;
