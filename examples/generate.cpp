@@ -360,9 +360,8 @@ double ms_since(Clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
 }
 
-/// The generation loop of kvdecode::generate(), written out here because the generator also
-/// continues from a restored cache, saves the cache between prefill and decode, and streams a
-/// prompt longer than a window through decode.
+/// Restores a saved prompt prefix, runs kvdecode::generate() (saving the cache once the prompt
+/// is in), streams the text and reports where the time and the bytes went.
 template <class W, kvdecode::KvStore S>
 int generate_with(const Options& o, const Source& src, const kvdecode::Model<float, W>& model,
                   S& cache, kvdecode::ThreadPool& pool) {
@@ -385,7 +384,8 @@ int generate_with(const Options& o, const Source& src, const kvdecode::Model<flo
       from_file = restore_prompt_prefix(*fingerprint, cache, prompt, o.load_cache);
     }
   }
-  KVDECODE_CHECK(cache.size() + prompt.size() - from_file <= cache.capacity(), "the prompt has ",
+
+  KVDECODE_CHECK(prompt.size() - from_file <= cache.capacity() - cache.size(), "the prompt has ",
                  prompt.size(), " tokens but the cache holds at most ", cache.capacity());
 
   // Echo the prompt as run.c does: every piece after BOS, through its safe_printf rule.
@@ -395,71 +395,42 @@ int generate_with(const Options& o, const Source& src, const kvdecode::Model<flo
         stdout);
   std::fflush(stdout);
 
-  // ---- prefill: the prompt tokens the cache does not hold yet ----
-  const auto start = Clock::now();
-  std::span<const std::int32_t> rest = std::span(prompt).subspan(from_file);
-  std::size_t at_once = rest.size();
-  if constexpr (std::is_same_v<S, WindowStore<float>>) {
-    // A streaming window takes one position at a time once full: prefill what fits, then feed
-    // the rest of the prompt through decode.
-    at_once = std::min(at_once, cache.sinks() + cache.window() - cache.size());
-  }
-  std::span<const float> logits = model.prefill(rest.first(at_once), cache, act);
-  for (const std::int32_t token : rest.subspan(at_once)) logits = model.decode(token, cache, act);
-  const double prefill_ms = ms_since(start);
+  // After the prompt: save the cache, then count the decode steps' work only.
   double save_ms = 0;
-  if (!o.save_cache.empty()) {
-    if constexpr (std::is_same_v<S, ContiguousStore<float>>) {
-      const auto t0 = Clock::now();
-      save_cache(*fingerprint, cache, o.save_cache);
-      save_ms = ms_since(t0);
+  std::size_t saved = 0;
+  const auto after_prompt = [&] {
+    if (!o.save_cache.empty()) {
+      if constexpr (std::is_same_v<S, ContiguousStore<float>>) {
+        const auto t0 = Clock::now();
+        save_cache(*fingerprint, cache, o.save_cache);
+        save_ms = ms_since(t0);
+      }
     }
-  }
-  const std::size_t saved = cache.size();
-
-  // ---- decode: sample, print, feed the token back ----
-  counters = WorkCounters{};           // from here on: the decode steps only
-  std::vector<std::int32_t> sequence;  // --no-cache: every token so far, recomputed per step
-  if (o.no_cache) {
-    sequence.reserve(cache.capacity());
-    sequence.assign(prompt.begin(), prompt.end());
-  }
-  std::size_t generated = 0;
-  double ttft_ms = 0;
-  double kv_bytes_read = 0;  // K/V bytes the decode steps' attention read from the store
-  bool hit_stop = false;
-  bool hit_capacity = false;
+    saved = cache.size();
+    counters = WorkCounters{};
+  };
+  // Each token: print it (a BOS ends the text as in run.c, or is skipped with --ignore-bos),
+  // and add the K/V bytes the decode step that produced it read (every token but the first).
+  double kv_bytes_read = 0;
+  std::size_t tokens_seen = 0;
   std::int32_t prev = prompt.back();
-  const auto decode_start = Clock::now();
-  while (generated < o.n) {
-    const std::int32_t token = sampler.sample(logits);
-    if (generated++ == 0) ttft_ms = ms_since(start);
-    if (token == Tokenizer::kBos && !o.ignore_bos) {  // as run.c: a BOS ends the text
-      hit_stop = true;
-      break;
-    }
+  const auto on_token = [&](std::int32_t token) {
+    if (tokens_seen++ > 0 && !o.no_cache)
+      kv_bytes_read +=
+          static_cast<double>(positions_attended(cache)) * kv_bytes_per_position(cache, cfg);
     if (token != Tokenizer::kBos) {
       const std::string_view text = Tokenizer::printed_text(tokenizer.decode(prev, token));
       std::fwrite(text.data(), 1, text.size(), stdout);
       std::fflush(stdout);
     }
     prev = token;
-    if (generated == o.n) break;
-    if (cache.size() == cache.capacity()) {
-      hit_capacity = true;
-      break;
-    }
-    if (o.no_cache) {
-      sequence.push_back(token);
-      cache.reset();
-      logits = model.prefill(std::span<const std::int32_t>(sequence), cache, act);
-    } else {
-      logits = model.decode(token, cache, act);
-      kv_bytes_read +=
-          static_cast<double>(positions_attended(cache)) * kv_bytes_per_position(cache, cfg);
-    }
-  }
-  const double decode_ms = ms_since(decode_start);
+  };
+  GenerationOptions go;
+  go.max_new_tokens = o.n;
+  go.stop_token = o.ignore_bos ? -1 : Tokenizer::kBos;
+  go.use_cache = !o.no_cache;
+  const GenerationStats st = generate(model, cache, act, std::span(prompt).subspan(from_file),
+                                      sampler, go, on_token, after_prompt);
   std::fputs("\n", stdout);
   std::fflush(stdout);
 
@@ -492,19 +463,19 @@ int generate_with(const Options& o, const Source& src, const kvdecode::Model<flo
   if (!o.load_cache.empty())
     std::fprintf(out, " (%zu from cache file %s)", from_file, o.load_cache.c_str());
   std::fputs("\n", out);
-  std::fprintf(out, "generated tokens   %zu%s\n", generated,
-               hit_stop       ? " (stopped at BOS)"
-               : hit_capacity ? " (cache full)"
-                              : "");
-  const std::size_t prefilled = prompt.size() - from_file;
-  std::fprintf(out, "prefill            %.2f ms, %.1f tok/s (%zu tokens)\n", prefill_ms,
-               prefill_ms > 0 ? 1e3 * static_cast<double>(prefilled) / prefill_ms : 0.0, prefilled);
+  std::fprintf(out, "generated tokens   %zu%s\n", st.generated_tokens,
+               st.hit_stop_token ? " (stopped at BOS)"
+               : st.hit_capacity ? " (cache full)"
+                                 : "");
+  std::fprintf(out, "prefill            %.2f ms, %.1f tok/s (%zu tokens)\n", st.prefill_ms,
+               st.prefill_tokens_per_s(), st.prompt_tokens);
   if (!o.save_cache.empty())
     std::fprintf(out, "cache saved        %s (%zu positions) in %.2f ms\n", o.save_cache.c_str(),
                  saved, save_ms);
-  std::fprintf(out, "time to first tok  %.2f ms\n", ttft_ms);
-  const std::size_t steps = generated > 0 ? generated - 1 : 0;  // all but the first token
-  const double tok_s = decode_ms > 0 ? 1e3 * static_cast<double>(steps) / decode_ms : 0.0;
+  std::fprintf(out, "time to first tok  %.2f ms\n", st.ttft_ms);
+  const std::size_t steps = st.decode_steps();  // all but the first token
+  const double tok_s = st.decode_tokens_per_s();
+  const double decode_ms = st.decode_ms;
   if (o.no_cache) {
     std::fprintf(out, "decode             %.1f tok/s (%zu tokens in %.2f ms)\n", tok_s, steps,
                  decode_ms);
@@ -541,8 +512,8 @@ int generate_with_store(const Options& o, const Source& src, const kvdecode::Mod
     wo.window = o.window;
     wo.sinks = sinks;
     wo.policy = WindowPolicy::kStreaming;
-    // No prefill chunk is longer than S + W (see generate_with), and the ring's size grows
-    // with the chunk.
+    // No prefill chunk is longer than S + W (generate() feeds the rest of a longer prompt
+    // one token at a time), and the ring's size grows with the chunk.
     wo.max_chunk = std::min(o.chunk, sinks + o.window);
     // Only the token ids (4 bytes each) grow with the length; K and V stay S + W - 1 + chunk.
     wo.max_positions = src.prompt.size() + o.n;

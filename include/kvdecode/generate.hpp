@@ -1,8 +1,11 @@
 // generate(): the generation loop. Prompt → prefill → sample → decode until n tokens, a stop
-// token or a full cache, handing each token to a callback and timing every phase.
+// token or a full cache, handing each token to a callback and timing every phase. It continues
+// from whatever the cache already holds (a restored prompt prefix, an earlier turn).
 #pragma once
 
+#include <algorithm>
 #include <chrono>
+#include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -14,64 +17,132 @@
 #include "kvdecode/kv_store.hpp"
 #include "kvdecode/model.hpp"
 #include "kvdecode/sampler.hpp"
+#include "kvdecode/window_store.hpp"
 
 namespace kvdecode {
 
 struct GenerationOptions {
   std::size_t max_new_tokens = 256;
-  std::int32_t stop_token = -1;  ///< generation ends after emitting it; -1 = none
+  /// Generation ends after emitting this token (llama2.c's run.c stops at BOS = 1); -1 = none,
+  /// which keeps going past every token so that exactly max_new_tokens are generated.
+  std::int32_t stop_token = -1;
   /// false re-runs the full forward (prefill of every token so far into an emptied store) for
   /// each new token: the same tokens at the cost a KV cache removes.
   bool use_cache = true;
 };
 
 struct GenerationStats {
-  std::size_t prompt_tokens = 0;
+  std::size_t cached_tokens = 0;  ///< positions the cache held before the call (not prefilled)
+  std::size_t prompt_tokens = 0;  ///< tokens of `prompt`: the ones this call prefilled
+  /// Prompt tokens a capped store took one at a time through decode (a streaming window past
+  /// its S + W positions); included in prompt_tokens and prefill_ms.
+  std::size_t prompt_tokens_decoded = 0;
   std::size_t generated_tokens = 0;
   double prefill_ms = 0;  ///< prompt → its last logits
-  double ttft_ms = 0;     ///< start → the first generated token is known
-  double decode_ms = 0;   ///< every later forward step
+  double ttft_ms = 0;     ///< start → the first generated token is known (on_prefilled included)
+  double decode_ms = 0;   ///< every later forward step (from after on_prefilled to the end)
   bool hit_stop_token = false;
   bool hit_capacity = false;
   double prefill_tokens_per_s() const {
     return prefill_ms > 0 ? 1e3 * static_cast<double>(prompt_tokens) / prefill_ms : 0;
   }
-  /// Tokens produced by decode steps (all but the first, which prefill's logits give).
+  /// Generated tokens that took a decode step: all but the first, which prefill's logits give.
+  std::size_t decode_steps() const { return generated_tokens > 0 ? generated_tokens - 1 : 0; }
   double decode_tokens_per_s() const {
-    return decode_ms > 0 && generated_tokens > 1
-               ? 1e3 * static_cast<double>(generated_tokens - 1) / decode_ms
-               : 0;
+    return decode_ms > 0 ? 1e3 * static_cast<double>(decode_steps()) / decode_ms : 0;
   }
 };
 
-/// Generates up to options.max_new_tokens tokens after prompt into `cache`, which must be empty.
-/// on_token(id) is called for every generated token as soon as it is sampled; it may return
-/// false to stop. Returns the timings. The store then holds the prompt and every generated
-/// token but the last (which was never fed back).
-template <class T, KvStore S, class OnToken>
-GenerationStats generate(const Model<T>& model, S& cache, Activations<T>& act,
+namespace detail {
+
+/// The on_prefilled of a call that passes none.
+struct NoHook {
+  void operator()() const {}
+};
+
+/// A store whose appends may be capped below its free capacity by a streaming policy
+/// (WindowStore under WindowPolicy::kStreaming).
+template <class S>
+concept StreamingWindowed = requires(const S& s) {
+  { s.policy() } -> std::same_as<WindowPolicy>;
+  { s.sinks() } -> std::same_as<std::size_t>;
+  { s.window() } -> std::same_as<std::size_t>;
+};
+
+/// Most positions one append to `cache` may hold now. Its free capacity, except that a streaming
+/// window appends one position at a time once its S + W positions fill (each later query sees
+/// the keys rotated differently, and attention asks the store for them once per append).
+/// At least 1 while the cache has room.
+template <KvStore S>
+std::size_t append_limit(const S& cache) {
+  const std::size_t room = cache.capacity() - cache.size();
+  if constexpr (StreamingWindowed<S>) {
+    if (cache.policy() == WindowPolicy::kStreaming) {
+      const std::size_t full = cache.sinks() + cache.window();
+      return std::min(room, cache.size() < full ? full - cache.size() : std::size_t{1});
+    }
+  }
+  return room;
+}
+
+}  // namespace detail
+
+/// Generates up to options.max_new_tokens tokens into `cache`, continuing after what it already
+/// holds: `prompt` is the tokens that follow cache.tokens() (the whole prompt for an empty
+/// cache, the rest of it after a restored prefix, or a new turn); it must not be empty, as its
+/// last token's logits give the first generated token. The prompt is prefilled in one append
+/// where the store allows it; a store that caps an append (a streaming WindowStore past S + W
+/// positions) takes what fits, then the rest one token at a time through decode.
+///
+/// on_prefilled() is called once, after the prompt is in the cache and before the first token
+/// is sampled (to save the cache, to reset counters); on_token(id) for every generated token as
+/// soon as it is sampled, and may return false to stop. With options.use_cache false, every
+/// step recomputes cache.tokens() as they were on entry, then the prompt and the tokens
+/// generated so far, into the emptied store. Returns the timings. The store then holds its
+/// earlier tokens, the prompt and every generated token but the last (never fed back).
+/// Throws Error, before changing anything, for an empty prompt or one the cache has no room for.
+template <class T, class W, KvStore S, class OnToken, class OnPrefilled = detail::NoHook>
+GenerationStats generate(const Model<T, W>& model, S& cache, Activations<T>& act,
                          std::span<const std::int32_t> prompt, Sampler& sampler,
-                         const GenerationOptions& options, OnToken&& on_token) {
+                         const GenerationOptions& options, OnToken&& on_token,
+                         OnPrefilled&& on_prefilled = {}) {
   using Clock = std::chrono::steady_clock;
   const auto ms = [](Clock::duration d) {
     return std::chrono::duration<double, std::milli>(d).count();
   };
-  KVDECODE_CHECK(!prompt.empty(), "generate: the prompt has no tokens (start it with BOS)");
-  KVDECODE_CHECK(cache.size() == 0, "generate: the cache already holds ", cache.size(),
-                 " positions; reset() it or continue with prefill()/decode()");
-  KVDECODE_CHECK(prompt.size() <= cache.capacity(), "generate: the prompt has ", prompt.size(),
-                 " tokens but the cache holds at most ", cache.capacity());
+  KVDECODE_CHECK(!prompt.empty(),
+                 "generate: the prompt has no tokens (start it with BOS, or "
+                 "give at least the last token after the cached ones)");
+  KVDECODE_CHECK(prompt.size() <= cache.capacity() - cache.size(), "generate: the prompt has ",
+                 prompt.size(), " tokens but the cache, holding ", cache.size(), " of at most ",
+                 cache.capacity(), " positions, has room for ", cache.capacity() - cache.size());
   GenerationStats stats;
+  stats.cached_tokens = cache.size();
   stats.prompt_tokens = prompt.size();
   // The whole sequence, for the no-cache mode's recompute; reserved so the loop never grows it.
   std::vector<std::int32_t> sequence;
   if (!options.use_cache) {
     sequence.reserve(cache.capacity());
-    sequence.assign(prompt.begin(), prompt.end());
+    const std::span<const std::int32_t> held = cache.tokens();
+    sequence.assign(held.begin(), held.end());
+    sequence.insert(sequence.end(), prompt.begin(), prompt.end());
   }
+  // Runs tokens after what the cache holds: one prefill of what the store takes in one append,
+  // then decode for the rest. Returns the last token's logits.
+  const auto feed = [&](std::span<const std::int32_t> tokens) {
+    const std::size_t at_once = std::min(tokens.size(), detail::append_limit(cache));
+    std::span<const T> logits = model.prefill(tokens.first(at_once), cache, act);
+    for (const std::int32_t token : tokens.subspan(at_once))
+      logits = model.decode(token, cache, act);
+    return logits;
+  };
+
   const auto start = Clock::now();
-  std::span<const T> logits = model.prefill(prompt, cache, act);
+  stats.prompt_tokens_decoded =
+      prompt.size() - std::min(prompt.size(), detail::append_limit(cache));
+  std::span<const T> logits = feed(prompt);
   stats.prefill_ms = ms(Clock::now() - start);
+  on_prefilled();
   const auto decode_start = Clock::now();
   bool first = true;
   while (stats.generated_tokens < options.max_new_tokens) {
@@ -101,7 +172,7 @@ GenerationStats generate(const Model<T>& model, S& cache, Activations<T>& act,
     } else {
       sequence.push_back(token);
       cache.reset();
-      logits = model.prefill(std::span<const std::int32_t>(sequence), cache, act);
+      logits = feed(std::span<const std::int32_t>(sequence));
     }
   }
   stats.decode_ms = ms(Clock::now() - decode_start);
