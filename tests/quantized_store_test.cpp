@@ -1,6 +1,6 @@
 // Int8Store and Q4Store: the conformance suite, the per-element error bound against each
 // store's own quantization step, exact residual rows, transactions across group boundaries, and
-// memory per token against a formula written here (and the 27 % / 15 % budgets).
+// memory per token against a formula written here (and the 27 % / 15 % budgets).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -124,15 +124,48 @@ TEST(Int8StoreTest, DequantizesAtMostOneBlockAtATime) {
     EXPECT_EQ(b.keys, scratch.data());
     EXPECT_EQ(b.first % Int8Store<float>::kBlockRows, 0u);
   });
-  EXPECT_EQ(sizes, (std::vector<std::size_t>{128, 128, 44}));
+  EXPECT_EQ(sizes, (std::vector<std::size_t>{64, 64, 64, 64, 44}));
   std::vector<float> small(s.block_scratch_size() - 1);
   EXPECT_THROW(s.for_each_block(0, 0, 10, std::span<float>(small), [](const KvBlock<float>&) {}),
                Error);
 }
 
-TEST(Q4StoreTest, KeysPerChannelValuesPerTokenWithinHalfAStep) {
-  const ModelConfig cfg = small_config(4, 2, 64);
-  const std::size_t kv_dim = 32, hs = 16, group = 16, n = 53;  // three groups and a residual
+// Dequantization runs 16 channels at a time (AVX-512 builds) and the rest one at a time: head
+// sizes 16, 40 (two chunks and a tail of 8) and 48 (the benchmark shape's) cover both paths.
+// Keys must be exactly code × scale, with the code and scale read back from the store.
+TEST(Int8StoreTest, DequantizedKeysAreCodeTimesScaleAtEveryHeadSize) {
+  for (const std::size_t hs : {16u, 40u, 48u}) {
+    ModelConfig cfg = small_config(2, 2, 64);
+    cfg.dim = static_cast<std::int64_t>(2 * hs);
+    const std::size_t kv_dim = 2 * hs, n = 150;  // two blocks of kBlockRows and a partial one
+    const auto k = random_rows(n, kv_dim, 11), v = random_rows(n, kv_dim, 12);
+    Int8Store<float> s(cfg, n);
+    append(s, k, v, 0, n, kv_dim);
+    for (std::size_t h = 0; h < 2; ++h) {
+      const auto g = gather(s, 1, h, n);
+      ASSERT_EQ(g.indices.size(), n);
+      for (std::size_t p = 0; p < n; ++p) {
+        const auto codes = s.key_codes(1, h, p);
+        double vmax = 0;
+        for (std::size_t c = 0; c < hs; ++c)
+          vmax = std::max(vmax, std::abs(double{v[p * kv_dim + h * hs + c]}));
+        for (std::size_t c = 0; c < hs; ++c) {
+          ASSERT_EQ(g.keys[p][c], static_cast<float>(codes[c]) * s.key_scale(1, h, p))
+              << "head_size " << hs << " position " << p << " channel " << c;
+          ASSERT_LE(std::abs(g.values[p][c] - v[p * kv_dim + h * hs + c]), vmax / 254 * (1 + 1e-6))
+              << "head_size " << hs << " position " << p << " channel " << c;
+        }
+      }
+    }
+  }
+}
+
+// Keys within half the step of their channel over the group, values within half their row's
+// step, the open group exact; at head size hs (see the int8 test above for the choice of hs).
+void expect_q4_within_half_a_step(std::size_t hs) {
+  ModelConfig cfg = small_config(2, 2, 64);
+  cfg.dim = static_cast<std::int64_t>(2 * hs);
+  const std::size_t kv_dim = 2 * hs, group = 16, n = 53;  // three groups and a residual
   const auto k = random_rows(n, kv_dim, 4), v = random_rows(n, kv_dim, 5);
   Q4Store<float> s(cfg, 64, group);
   append(s, k, v, 0, 7, kv_dim);
@@ -165,6 +198,13 @@ TEST(Q4StoreTest, KeysPerChannelValuesPerTokenWithinHalfAStep) {
         ASSERT_LE(std::abs(g.values[p][c] - vx), (vhi - vlo) / 30 + 1e-6 * (1 + std::abs(vlo)));
       }
     }
+  }
+}
+
+TEST(Q4StoreTest, KeysPerChannelValuesPerTokenWithinHalfAStep) {
+  for (const std::size_t hs : {16u, 40u, 48u}) {
+    SCOPED_TRACE("head_size " + std::to_string(hs));
+    expect_q4_within_half_a_step(hs);
   }
 }
 
@@ -252,7 +292,7 @@ TEST(QuantizedMemoryTest, MemoryBytesFollowTheFormula) {
   }
 }
 
-// The budgets, bytes per token including scales, relative to the f32 cache
+// The budgets, bytes per token including scales, relative to the f32 cache
 // (2 × n_layers × kv_dim × 4 bytes per token). int8 pays 4/head_size for its scale, so the 27 %
 // holds from head_size 64 up; 4-bit pays 8/G + 8/head_size for its (min, step) pairs, so 15 %
 // holds at head_size 128 with G = 64 (or head_size 64 with G = 128).

@@ -24,6 +24,7 @@
 #include <sstream>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -182,18 +183,22 @@ std::string error_message(const std::function<void()>& action) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Naive reference: run.c's encode() transcribed literally (linear str_lookup, a fresh
-// concatenation per pair, every pair looked up again after every merge).
+// Naive reference: run.c's encode() transcribed literally (a fresh concatenation per pair,
+// every pair looked up again after every merge, the whole list rescanned for the best merge:
+// O(n²) in the text length). str_lookup is a hash map from piece to its lowest id, so that
+// texts of a few thousand bytes stay affordable.
 
 std::vector<std::int32_t> naive_run_c_encode(const Tokenizer& t, std::string_view text, bool bos,
                                              bool eos) {
   std::vector<std::string_view> vocab;
-  for (std::int32_t i = 0; i < t.vocab_size(); ++i) vocab.push_back(t.piece(i));
+  std::unordered_map<std::string_view, std::int32_t> ids;
+  for (std::int32_t i = 0; i < t.vocab_size(); ++i) {
+    vocab.push_back(t.piece(i));
+    ids.emplace(vocab.back(), i);  // keeps the first, lowest id of a duplicate piece
+  }
   auto str_lookup = [&](const std::string& s) {
-    for (std::size_t i = 0; i < vocab.size(); ++i) {
-      if (vocab[i] == s) return static_cast<std::int32_t>(i);
-    }
-    return std::int32_t{-1};
+    const auto it = ids.find(s);
+    return it == ids.end() ? std::int32_t{-1} : it->second;
   };
   std::vector<std::int32_t> tokens;
   if (bos) tokens.push_back(1);
@@ -343,6 +348,106 @@ TEST(TokenizerTest, EncodeMatchesNaiveRunCTranscriptionOnRandomText) {
       }
     }
   }
+}
+
+// A vocabulary made for ties: every merge of a, b and c up to 4 letters, scored by length
+// alone (so all merges of one length tie), plus a few pieces scored higher that a merge of
+// shorter pieces can create later, which run.c finds only because it rescores after each merge.
+Vocab tie_vocab() {
+  Vocab v = llama_base_vocab();
+  const std::string letters = "abc";
+  std::vector<std::string> level = {""};
+  for (int len = 1; len <= 4; ++len) {
+    std::vector<std::string> longer;
+    for (const std::string& p : level)
+      for (const char c : letters) longer.push_back(p + c);
+    for (const std::string& p : longer) v.add(p, len == 1 ? -100.0f : -static_cast<float>(len));
+    level = std::move(longer);
+  }
+  for (const char* p : {"abcab", "ccccc", " a", " ab", " abc", "é", "éé", "<0xC3>a"})
+    v.add(p, 0.0f);
+  v.add("bbbbb", -1e10f);  // never merges (run.c needs a score above -1e10)
+  v.add("aaaaa", std::numeric_limits<float>::quiet_NaN());  // never merges (NaN > x is false)
+  return v;
+}
+
+// Random texts of up to `max_bytes` bytes in one of four styles: arbitrary bytes (stray
+// continuation bytes, lone lead bytes, NUL); valid UTF-8 of 1 to 4 bytes a code point; letters
+// a-c only (long runs of equal-score ties); and repeats of a short random piece.
+std::vector<std::string> long_random_texts(std::uint32_t seed, int count, std::size_t max_bytes) {
+  std::mt19937 rng(seed);
+  std::vector<std::string> texts;
+  for (int i = 0; i < count; ++i) {
+    const std::size_t bytes = std::uniform_int_distribution<std::size_t>(0, max_bytes)(rng);
+    std::string text;
+    switch (i % 4) {
+      case 0:
+        while (text.size() < bytes) text.push_back(static_cast<char>(rng() & 0xFF));
+        break;
+      case 1: {
+        static const std::vector<std::string> kCodePoints = {
+            "a", "b", " ", "e", "\n", "\xC3\xA9", "\xC3\xAA", "\xE2\x82\xAC", "\xF0\x9F\x99\x82"};
+        while (text.size() < bytes) text += kCodePoints[rng() % kCodePoints.size()];
+        break;
+      }
+      case 2:
+        while (text.size() < bytes) text.push_back(static_cast<char>('a' + rng() % 3));
+        break;
+      default: {
+        static const std::vector<std::string> kPieces = {"a",   "ab",   "abc",   "c", " ",
+                                                         "the", "Once", " upon", "é", "<0x41>"};
+        std::string unit;
+        for (int k = 1 + static_cast<int>(rng() % 4); k > 0; --k)
+          unit += kPieces[rng() % kPieces.size()];
+        while (text.size() < bytes) text += unit;
+        break;
+      }
+    }
+    texts.push_back(std::move(text));
+  }
+  return texts;
+}
+
+// The heap-based merge loop against the O(n²) transcription of run.c on texts long enough for
+// many merges to interact: ties between far-apart pairs, merges that rescore their neighbours,
+// and pairs that become mergeable only after an earlier merge.
+TEST(TokenizerTest, EncodeEqualsTheQuadraticRunCLoopOnLongRandomTexts) {
+  const Tokenizer tokenizers[] = {load_fixture(), tie_vocab().build()};
+  for (const Tokenizer& t : tokenizers) {
+    for (const std::string& text : long_random_texts(99, 120, 600)) {
+      ASSERT_EQ(t.encode(text), naive_run_c_encode(t, text, true, false))
+          << "vocab_size " << t.vocab_size() << ", " << text.size() << " bytes: \"" << text << "\"";
+    }
+  }
+}
+
+// A few texts of several thousand bytes, so the heap grows deep.
+TEST(TokenizerTest, EncodeEqualsTheQuadraticRunCLoopOnAFewKilobytes) {
+  const Tokenizer tokenizers[] = {load_fixture(), tie_vocab().build()};
+  for (const Tokenizer& t : tokenizers) {
+    for (const std::string& text : long_random_texts(7, 8, 4000)) {
+      ASSERT_EQ(t.encode(text, true, true), naive_run_c_encode(t, text, true, true))
+          << "vocab_size " << t.vocab_size() << ", " << text.size() << " bytes";
+    }
+  }
+}
+
+// Hand-derived: all ties of one length go left to right, and a higher-scored piece formed by
+// earlier merges is taken as soon as it exists.
+TEST(TokenizerTest, TieVocabularyMergesLeftToRightByLength) {
+  const Vocab v = tie_vocab();
+  const Tokenizer t = v.build();
+  const auto id = [&](std::string_view p) { return *t.find(p); };
+  // "aaaaaa" → [BOS, " ", a × 6]: " a" (0) is the best pair; then "aa" (-2) ties at every
+  // pair and the leftmost merges: [" a", aa, a, a, a]; then (aa, a) "aaa" (-3) loses to the
+  // later (a, a) "aa" (-2): [" a", aa, aa, a]; then "aaa" (-3) at (aa, a) beats "aaaa" (-4) at
+  // (aa, aa): [" a", aa, aaa]; "aaaaa" scores NaN and never merges.
+  EXPECT_EQ(t.encode("aaaaaa"), (std::vector<std::int32_t>{1, id(" a"), id("aa"), id("aaa")}));
+  // "abcab": " a" (0) beats the -2 pairs, then " ab" (0), then " abc" (0), then "ab" (-2).
+  EXPECT_EQ(t.encode("abcab"), (std::vector<std::int32_t>{1, id(" abc"), id("ab")}));
+  // "bbbbb": bb, then bb (-2) beats bbb (-3), then bbb (-3) beats bbbb (-4); "bbbbb" scores
+  // -1e10, not above run.c's starting best, so (bb, bbb) stays.
+  EXPECT_EQ(t.encode("bbbbb"), (std::vector<std::int32_t>{1, kSpace, id("bb"), id("bbb")}));
 }
 
 TEST(TokenizerTest, EncodeEmptyTextHasNoDummyPrefix) {

@@ -115,6 +115,12 @@ class Tokenizer {
   static constexpr std::int32_t kEos = 2;  ///< run.c hard-codes EOS = 2 (stored as "\n</s>\n")
   /// run.c's byte fallback emits id = byte + kByteIdOffset (after <unk>, <s>, </s>).
   static constexpr std::int32_t kByteIdOffset = 3;
+  /// Scratch int32s the merge loop needs per symbol besides its token (see merge_pairs()).
+  static constexpr std::size_t kMergeScratchPerSymbol = 5;
+  /// The longest text encode() accepts: the merge loop indexes its text bytes + 2 symbols by
+  /// int32.
+  static constexpr std::size_t kMaxEncodeBytes =
+      static_cast<std::size_t>(std::numeric_limits<std::int32_t>::max()) - 2;
 
   /// Reads a tokenizer.bin file. vocab_size comes from the checkpoint header (the file does not
   /// store it). Throws Error naming the file, the entry and the expected vs actual value.
@@ -200,14 +206,18 @@ class Tokenizer {
   }
 
   /// As encode() above, but replaces the contents of `out` and reuses its capacity: a call
-  /// allocates nothing when out.capacity() >= 2 * (text.size() + 2), which the merge loop needs
-  /// for its scratch. On a throw, `out` is unchanged.
+  /// allocates nothing when out.capacity() >= 6 * (text.size() + 2), which the merge loop needs
+  /// for its scratch (encode_scratch_size()). On a throw, `out` is unchanged.
   void encode(std::string_view text, bool bos, bool eos, std::vector<std::int32_t>& out) const {
+    // The merge loop keeps symbol indices as int32 in `out`: at most text.size() + 2 symbols.
+    KVDECODE_CHECK(text.size() <= kMaxEncodeBytes, "Tokenizer::encode: text of ", text.size(),
+                   " bytes, more than the ", kMaxEncodeBytes,
+                   " bytes the int32 symbol indices allow");
     // Byte fallback hard-codes id = byte + 3 (run.c); only a vocabulary without all 256 byte ids
     // can fail it, so only then is the text scanned first (to throw before touching `out`).
     if (vocab_size() < 256 + kByteIdOffset) check_byte_fallback(text);
+    out.reserve(encode_scratch_size(text.size()));
     out.clear();
-    out.reserve(2 * (text.size() + 2));
     if (bos) out.push_back(kBos);
     // run.c: "add_dummy_prefix is true by default", but only if text != "".
     if (!text.empty()) out.push_back(space_id_);
@@ -225,6 +235,13 @@ class Tokenizer {
     }
     merge_pairs(out);
     if (eos) out.push_back(kEos);
+  }
+
+  /// The int32s encode(text, bos, eos, out) uses in `out` for a text of `text_bytes` bytes: one
+  /// token and kMergeScratchPerSymbol scratch values per symbol, text_bytes + 2 symbols at most
+  /// (BOS, the dummy prefix, one per byte).
+  static constexpr std::size_t encode_scratch_size(std::size_t text_bytes) {
+    return (1 + kMergeScratchPerSymbol) * (text_bytes + 2);
   }
 
   /// run.c decode(prev_token, token): the piece of `token`, without its leading space when
@@ -421,41 +438,112 @@ class Tokenizer {
     }
   }
 
-  /// run.c's merge loop over tokens = out[0, n): repeatedly merge the adjacent pair whose merged
-  /// piece has the highest score (strictly greater than the best so far, starting at -1e10, so
-  /// the leftmost pair wins ties) until no pair merges. Same result as run.c, but each pair's
-  /// lookup is cached and only the two pairs beside a merge are looked up again, which turns
-  /// run.c's O(n) lookups per merge into 2. The cache lives in out's tail.
+  /// run.c's merge loop over tokens = out[0, n0): repeatedly merge the adjacent pair whose
+  /// merged piece has the highest score (strictly greater than -1e10, run.c's starting best, and
+  /// not NaN), the leftmost pair on ties, until no pair merges. run.c rescans every pair after
+  /// each merge, O(n) per merge and O(n²) in all. Here the symbols form a linked list (a merge
+  /// keeps the left symbol's index, so list order is index order and "leftmost" is "lowest
+  /// index"), and the mergeable pairs, keyed by their left symbol, sit in an indexed binary heap
+  /// ordered by (score descending, index ascending), whose top is exactly run.c's choice. A merge
+  /// changes two pairs (the merged symbol's left and right ones) and removes one, each an
+  /// O(log n) heap update, so encode is O(n log n) with 2 lookups per merge. (sentencepiece
+  /// pushes new pairs and skips stale ones when popped; updating in place instead bounds the
+  /// heap at n entries, so all scratch fits in `out`'s tail and reused capacity allocates
+  /// nothing.)
   void merge_pairs(std::vector<std::int32_t>& out) const {
-    std::size_t n = out.size();
-    if (n < 2) return;
-    const std::size_t n0 = n;
-    out.resize(2 * n0 - 1);
-    std::int32_t* tokens = out.data();         // [n]: the tokens so far
-    std::int32_t* pair_ids = out.data() + n0;  // [n - 1]: merge of (tokens[i], tokens[i+1]) or -1
-    auto pair_id = [&](std::size_t i) {
-      return lookup(piece_unchecked(tokens[i]), piece_unchecked(tokens[i + 1]));
+    const std::size_t n0 = out.size();
+    if (n0 < 2) return;
+    out.resize((1 + kMergeScratchPerSymbol) * n0);
+    std::int32_t* tokens = out.data();   // [n0]: token of each live symbol
+    std::int32_t* next = tokens + n0;    // [n0]: next live symbol, or n0 at the end
+    std::int32_t* prev = next + n0;      // [n0]: previous live symbol, or -1
+    std::int32_t* pair_ids = prev + n0;  // [n0]: merge of (i, next[i]), or -1
+    std::int32_t* heap = pair_ids + n0;  // [heap_size]: symbols with a mergeable pair
+    std::int32_t* heap_pos = heap + n0;  // [n0]: where i sits in heap, or -1
+    const auto end = static_cast<std::int32_t>(n0);
+    std::size_t heap_size = 0;
+
+    auto score_of = [&](std::int32_t i) { return scores_[static_cast<std::size_t>(pair_ids[i])]; };
+    // Whether symbol i's pair merges before symbol j's: run.c's strict `>` scan from the left.
+    auto before = [&](std::int32_t i, std::int32_t j) {
+      const float a = score_of(i);
+      const float b = score_of(j);
+      return a > b || (a == b && i < j);
     };
-    for (std::size_t i = 0; i + 1 < n; ++i) pair_ids[i] = pair_id(i);
-    while (true) {
-      float best_score = -1e10f;
-      std::size_t best = n;
-      for (std::size_t i = 0; i + 1 < n; ++i) {
-        const std::int32_t id = pair_ids[i];
-        if (id >= 0 && scores_[static_cast<std::size_t>(id)] > best_score) {
-          best_score = scores_[static_cast<std::size_t>(id)];
-          best = i;
-        }
+    auto place = [&](std::size_t at, std::int32_t i) {
+      heap[at] = i;
+      heap_pos[i] = static_cast<std::int32_t>(at);
+    };
+    auto sift_up = [&](std::size_t at) {
+      const std::int32_t i = heap[at];
+      while (at > 0 && before(i, heap[(at - 1) / 2])) {
+        place(at, heap[(at - 1) / 2]);
+        at = (at - 1) / 2;
       }
-      if (best == n) break;
-      tokens[best] = pair_ids[best];
-      std::copy(tokens + best + 2, tokens + n, tokens + best + 1);
-      // Pair best + 1 (the old right neighbour) disappears; the pairs after it move left.
-      if (best + 2 < n - 1) std::copy(pair_ids + best + 2, pair_ids + n - 1, pair_ids + best + 1);
-      --n;
-      if (best > 0) pair_ids[best - 1] = pair_id(best - 1);
-      if (best + 1 < n) pair_ids[best] = pair_id(best);
+      place(at, i);
+    };
+    auto sift_down = [&](std::size_t at) {
+      const std::int32_t i = heap[at];
+      while (true) {
+        std::size_t child = 2 * at + 1;
+        if (child >= heap_size) break;
+        if (child + 1 < heap_size && before(heap[child + 1], heap[child])) ++child;
+        if (!before(heap[child], i)) break;
+        place(at, heap[child]);
+        at = child;
+      }
+      place(at, i);
+    };
+    auto remove = [&](std::int32_t i) {
+      if (heap_pos[i] < 0) return;
+      const auto at = static_cast<std::size_t>(heap_pos[i]);
+      heap_pos[i] = -1;
+      if (--heap_size == at) return;
+      const std::int32_t moved = heap[heap_size];  // the last entry fills the hole
+      place(at, moved);
+      sift_up(at);
+      sift_down(static_cast<std::size_t>(heap_pos[moved]));
+    };
+    // Looks up the pair (i, next[i]) again and moves i in, out of or within the heap.
+    auto refresh = [&](std::int32_t i) {
+      const std::int32_t j = next[i];
+      pair_ids[i] = j == end ? -1 : lookup(piece_unchecked(tokens[i]), piece_unchecked(tokens[j]));
+      // run.c: `vocab_scores[id] > best_score` with best_score = -1e10 (false for NaN).
+      const bool mergeable = pair_ids[i] >= 0 && score_of(i) > -1e10f;
+      if (!mergeable) {
+        remove(i);
+        return;
+      }
+      if (heap_pos[i] < 0) {
+        place(heap_size++, i);
+        sift_up(heap_size - 1);
+      } else {
+        const auto at = static_cast<std::size_t>(heap_pos[i]);
+        sift_up(at);
+        sift_down(static_cast<std::size_t>(heap_pos[i]));
+      }
+    };
+
+    for (std::int32_t i = 0; i < end; ++i) {
+      next[i] = i + 1;
+      prev[i] = i - 1;
+      heap_pos[i] = -1;
     }
+    for (std::int32_t i = 0; i < end; ++i) refresh(i);
+    while (heap_size > 0) {
+      const std::int32_t a = heap[0];  // merge (a, b) into a
+      const std::int32_t b = next[a];
+      tokens[a] = pair_ids[a];
+      remove(b);
+      next[a] = next[b];
+      if (next[b] != end) prev[next[b]] = a;
+      refresh(a);
+      if (prev[a] >= 0) refresh(prev[a]);
+    }
+    // Live symbols in list order are in index order, so compacting in place never overwrites
+    // a symbol not yet read.
+    std::size_t n = 0;
+    for (std::int32_t i = 0; i != end; i = next[i]) tokens[n++] = tokens[i];
     out.resize(n);
   }
 
