@@ -1,10 +1,12 @@
 // serve_batch: several requests that share a system prompt, served from one BlockPool. Each
 // request opens a sequence holding the longest cached prefix of its prompt, prefills only the
-// rest, then all requests decode one step at a time, round-robin. Prints per-request time to
-// first token and prefix hits, and aggregate tokens/s. Runs the built-in random model.
+// rest, then all requests decode together, one Model::decode_batch step per token (every weight
+// read once per step for the whole batch). Prints per-request time to first token and prefix
+// hits, and aggregate tokens/s. Runs the built-in random model.
 //
 //   serve_batch [--requests N] [--system N] [--question N] [-n N] [--block-size N]
-//               [--blocks N] [--no-prefix-cache] [--temperature T] [--seed S] [--help]
+//               [--blocks N] [--no-prefix-cache] [--round-robin] [--temperature T] [--seed S]
+//               [--help]
 #include <algorithm>
 #include <charconv>
 #include <chrono>
@@ -31,6 +33,7 @@ and cache counters are real).
   --block-size N      positions per KV block (default 16)
   --blocks N          blocks in the pool (default 256)
   --no-prefix-cache   compute every prompt in full
+  --round-robin       decode the requests one at a time instead of in one batched step
   --temperature T     0 = greedy (default 0.8)
   --seed S            seed of the prompts and the samplers, > 0 (default 7)
   --help              this text
@@ -44,6 +47,7 @@ struct Options {
   std::size_t block_size = 16;
   std::size_t blocks = 256;
   bool prefix_cache = true;
+  bool round_robin = false;
   double temperature = 0.8;
   std::uint64_t seed = 7;
 };
@@ -84,6 +88,8 @@ Options parse(int argc, char** argv) {
       o.block_size = parse_number<std::size_t>(a, value());
     } else if (a == "--blocks") {
       o.blocks = parse_number<std::size_t>(a, value());
+    } else if (a == "--round-robin") {
+      o.round_robin = true;
     } else if (a == "--no-prefix-cache") {
       o.prefix_cache = false;
     } else if (a == "--temperature") {
@@ -143,13 +149,29 @@ struct Request {
 };
 
 /// One decode step for every request of the batch: feeds each its last sampled token and
-/// samples the next. One sequence at a time for now; a batched Model entry point (issue #6,
-/// item 4) replaces this loop with one call, the sequences being PagedStores on one pool.
+/// samples the next. Batched: one Model::decode_batch over every sequence's PagedStore, so each
+/// weight matrix is read once per step; round-robin: one Model::decode per sequence.
 void decode_step(const kvdecode::Model<float>& model, std::vector<Request*>& batch,
-                 kvdecode::Activations<float>& act, std::size_t max_new) {
+                 kvdecode::Activations<float>& act, std::size_t max_new, bool round_robin,
+                 std::vector<std::int32_t>& tokens,
+                 std::vector<kvdecode::PagedStore<float>*>& seqs) {
+  const std::size_t vocab = act.logits.size();
+  if (round_robin) {
+    for (Request* r : batch) r->next = r->sampler->sample(model.decode(r->next, r->seq, act));
+  } else {
+    tokens.clear();
+    seqs.clear();
+    for (Request* r : batch) {
+      tokens.push_back(r->next);
+      seqs.push_back(&r->seq);
+    }
+    const auto logits =
+        model.decode_batch(std::span<const std::int32_t>(tokens),
+                           std::span<kvdecode::PagedStore<float>* const>(seqs), act);
+    for (std::size_t b = 0; b < batch.size(); ++b)
+      batch[b]->next = batch[b]->sampler->sample(logits.subspan(b * vocab, vocab));
+  }
   for (Request* r : batch) {
-    const auto logits = model.decode(r->next, r->seq, act);
-    r->next = r->sampler->sample(logits);
     if (++r->generated == max_new) {
       r->done = true;
       r->seq.release();  // its full blocks stay in the prefix cache
@@ -163,7 +185,8 @@ int run(const Options& o) {
   const ModelConfig cfg = builtin_config();
   const Model<float> model(random_weights<float>(cfg, 2026));
   BlockPool<float> pool(cfg, o.blocks, o.block_size, BlockPoolOptions{0, o.prefix_cache});
-  Activations<float> prefill_act(cfg, 128), decode_act(cfg);
+  // Batched decode: logits rows and activations for every request at once.
+  Activations<float> prefill_act(cfg, 128), decode_act(cfg, 1, 0, nullptr, o.requests);
 
   const std::vector<std::int32_t> system = random_ids(o.system, o.seed);
   std::vector<Request> requests(o.requests);
@@ -205,9 +228,13 @@ int run(const Options& o) {
   const double prefill_ms = ms_since(start);
 
   std::size_t peak_held = pool.n_held();
+  std::vector<std::int32_t> step_tokens;  // [batch] reused each step
+  std::vector<PagedStore<float>*> step_seqs;
+  step_tokens.reserve(batch.size());
+  step_seqs.reserve(batch.size());
   const Clock::time_point decode_start = Clock::now();
   while (!batch.empty()) {
-    decode_step(model, batch, decode_act, o.n);
+    decode_step(model, batch, decode_act, o.n, o.round_robin, step_tokens, step_seqs);
     peak_held = std::max(peak_held, pool.n_held());
   }
   const double decode_ms = ms_since(decode_start);
@@ -235,9 +262,9 @@ int run(const Options& o) {
   std::printf("prefill            %zu prompt tokens, %.2f ms for all requests\n", prompt_tokens,
               prefill_ms);
   std::printf(
-      "decode             %.1f tok/s aggregate (%zu tokens, round-robin, %.2f ms)\n",
+      "decode             %.1f tok/s aggregate (%zu tokens, %s, %.2f ms)\n",
       decode_ms > 0 ? 1e3 * static_cast<double>(generated - requests.size()) / decode_ms : 0,
-      generated - requests.size(), decode_ms);
+      generated - requests.size(), o.round_robin ? "round-robin" : "batched", decode_ms);
   std::printf("overall            %.1f generated tok/s (%zu tokens in %.2f ms)\n",
               1e3 * static_cast<double>(generated) / total_ms, generated, total_ms);
   std::printf(

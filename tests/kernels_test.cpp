@@ -1,5 +1,6 @@
 // The optimised kernels against naive loops written here: GEMV (f32, bf16), the column-sliced
-// GEMM, the threaded projection at 1/2/3 threads, the thread pool, bf16 rounding, and threaded
+// GEMM, the few-token GEMM of batched decode (also against each token's GEMV), the threaded
+// projection at 1/2/3 threads, the thread pool, bf16 rounding, and threaded
 // attention. Odd sizes (1 row, columns not multiples of 16 or 32) cover every tail path.
 //
 // f32 bound: a sum of n products computed in f32 in any order is within γ_n·Σ|w_i x_i| of the
@@ -61,6 +62,42 @@ TEST(KernelsTest, GemvF32MatchesNaive) {
         EXPECT_LE(std::abs(y[r] - ref[r]), static_cast<double>(cols) * 0x1p-24 * mag[r])
             << rows << "×" << cols << " row " << r;
     }
+}
+
+TEST(KernelsTest, GemmFewMatchesNaiveAndEachTokensGemv) {
+  for (const std::size_t n : {1, 2, 3, 4, 5, 7, 8, 17, 32})
+    for (const std::size_t rows : kRows)
+      for (const std::size_t cols : {1, 15, 16, 17, 31, 32, 33, 100, 288}) {
+        const auto w = random_vector<float>(rows * cols, rows * 1000 + cols);
+        const auto x = random_vector<float>(n * cols, n * 7 + cols);  // [n][cols]
+        // Columns [1, rows) only when rows > 1: the slice a thread gets; column 0 stays NaN.
+        const std::size_t c0 = rows > 1 ? 1 : 0;
+        std::vector<float> y(n * rows, std::numeric_limits<float>::quiet_NaN());  // [n][rows]
+        detail::gemm_few(y.data(), x.data(), w.data(), n, cols, rows, c0, rows,
+                         static_cast<float*>(nullptr));
+        for (std::size_t t = 0; t < n; ++t) {
+          const std::vector<float> xt(x.begin() + static_cast<std::ptrdiff_t>(t * cols),
+                                      x.begin() + static_cast<std::ptrdiff_t>((t + 1) * cols));
+          std::vector<double> ref, mag;
+          naive_gemv(
+              w, xt, rows, cols, [](float v) { return static_cast<double>(v); }, ref, mag);
+          std::vector<float> gemv(rows);
+          detail::gemv_rows(gemv.data(), w.data(), xt.data(), 0, rows, cols);
+          for (std::size_t r = 0; r < rows; ++r) {
+            const float got = y[t * rows + r];
+            if (r < c0) {
+              EXPECT_TRUE(std::isnan(got)) << "column outside the slice was written";
+              continue;
+            }
+            EXPECT_LE(std::abs(got - ref[r]), static_cast<double>(cols) * 0x1p-24 * mag[r])
+                << n << " tokens " << rows << "×" << cols << " token " << t << " row " << r;
+            // With the AVX-512 kernel a token's outputs are its GEMV's, bit for bit.
+            if (detail::kHasGemmFew<float, float>) {
+              EXPECT_EQ(got, gemv[r]) << n << " tokens " << rows << "×" << cols << " token " << t;
+            }
+          }
+        }
+      }
 }
 
 TEST(KernelsTest, GemvF32RowRangeTouchesOnlyItsRows) {

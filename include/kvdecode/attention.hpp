@@ -4,6 +4,7 @@
 
 #include <Eigen/Core>
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstddef>
 #include <limits>
@@ -31,8 +32,9 @@ struct AttentionScratch {
       : max_queries_(max_queries),
         store_scratch_(store_scratch),
         n_threads_(n_threads == 0 ? 1 : n_threads),
+        kv_mul_(static_cast<std::size_t>(cfg.kv_mul())),
         scores(n_threads_ * max_queries * kTile),
-        row_max(static_cast<std::size_t>(cfg.n_heads) * max_queries),
+        row_max(n_threads_ * kv_mul_ * max_queries),
         row_sum(row_max.size()),
         block(n_threads_ * store_scratch) {}
 
@@ -41,17 +43,23 @@ struct AttentionScratch {
   std::span<T> thread_block(std::size_t t) {
     return block.span().subspan(t * store_scratch_, store_scratch_);
   }
+  /// Thread t's running max and sum [kv_mul][max_queries]: the query heads of the kv head it
+  /// works on, so threads working on the same head of different sequences never share them.
+  T* thread_row_max(std::size_t t) { return row_max.data() + t * kv_mul_ * max_queries_; }
+  T* thread_row_sum(std::size_t t) { return row_sum.data() + t * kv_mul_ * max_queries_; }
   std::size_t n_threads() const { return n_threads_; }
+  std::size_t max_queries() const { return max_queries_; }
 
  private:
   std::size_t max_queries_ = 0;
   std::size_t store_scratch_ = 0;
   std::size_t n_threads_ = 1;
+  std::size_t kv_mul_ = 1;
 
  public:
   AlignedBuffer<T> scores;   // [n_threads][max_queries][kTile] scores, then probabilities
-  AlignedBuffer<T> row_max;  // [n_heads][max_queries]   running max of each query's scores
-  AlignedBuffer<T> row_sum;  // [n_heads][max_queries]   running Σ exp(score - max)
+  AlignedBuffer<T> row_max;  // [n_threads][kv_mul][max_queries] running max of each query
+  AlignedBuffer<T> row_sum;  // [n_threads][kv_mul][max_queries] running Σ exp(score - max)
   AlignedBuffer<T> block;    // [n_threads][store.block_scratch_size()] for stores that decode
 };
 
@@ -59,110 +67,226 @@ struct AttentionScratch {
 /// thread: it is done before a second thread would be awake.
 inline constexpr std::size_t kMinParallelAttention = std::size_t{1} << 16;
 
-/// out [n][dim] = softmax(q kᵀ / sqrt(head_size)) v for n queries of one layer.
+/// A block of fewer than kMinProductRows keys for at most kMaxKeyByKeyQueries queries (decode of
+/// a fragmented paged sequence) takes scores and p·v key by key, a dot product and an axpy per
+/// key, which cost nothing per block; a GEMV's setup would cost more than 16 rows of it. Longer
+/// blocks and more queries take one matrix product per block (Eigen GEMV/GEMM), as before.
+inline constexpr std::size_t kMaxKeyByKeyQueries = 4;
+inline constexpr std::size_t kMinProductRows = 64;
+
+namespace detail {
+/// Asks for count elements of keys and values ahead of use. Short blocks scattered over a pool
+/// defeat the hardware prefetcher, which restarts at every block; the whole tile is gathered
+/// before it is computed, so its rows are requested while earlier ones are in flight.
+template <class T>
+inline void prefetch_rows(const T* keys, const T* values, std::size_t count) {
+#if defined(__GNUC__)
+  const auto* k = reinterpret_cast<const char*>(keys);
+  const auto* v = reinterpret_cast<const char*>(values);
+  for (std::size_t o = 0; o < count * sizeof(T); o += 64) {
+    __builtin_prefetch(k + o, 0, 3);
+    __builtin_prefetch(v + o, 0, 3);
+  }
+#else
+  (void)keys, (void)values, (void)count;
+#endif
+}
+
+/// o [count] += a · v [count], one multiply-add per element in a fixed order.
+template <class T>
+inline void axpy(T* __restrict o, T a, const T* __restrict v, std::size_t count) {
+  for (std::size_t i = 0; i < count; ++i) o[i] += a * v[i];
+}
+}  // namespace detail
+
+/// out [n][dim], the heads of kv head g = softmax(q kᵀ / sqrt(head_size)) v, on thread t's
+/// scratch: the work attend() shares out, callable for one (sequence, kv head) of a batch.
 ///
 /// q [n][dim] holds the rotated queries at cache indices q_first .. q_first+n-1; the store must
 /// already hold (committed or pending) every key up to q_first+n-1. Query head h reads kv head
 /// h / kv_mul, and the kv_mul heads that share a kv head are handled together so each key tile
-/// is fetched once for all of them. Keys are taken in tiles with the online softmax of
-/// FlashAttention: the running max is subtracted before exp, so large scores never overflow.
-/// With a pool (of at most scratch.n_threads() threads) the kv heads are shared out among its
-/// threads; each head's arithmetic is the same on any thread, so the result is too.
+/// is fetched once for all of them. Keys are taken in tiles of up to kTile rows with the online
+/// softmax of FlashAttention: the running max is subtracted before exp, so large scores never
+/// overflow.
+///
+/// A tile gathers consecutive KvBlocks (a paged sequence gives one per run of adjacent blocks):
+/// q·kᵀ of each block lands in the tile's columns, max/exp/rescale run once per tile, then p·v
+/// per block. Tiles start at multiples of kTile keys from the first key whatever the blocks, so
+/// a fragmented store takes the same softmax steps as a contiguous one. A store that decodes
+/// into scratch (block_scratch_size() > 0) hands a block valid only during its callback, so
+/// its tiles end at every block.
 template <class T, KvStore S>
-void attend(const ModelConfig& cfg, const S& store, std::size_t layer, std::size_t q_first,
-            std::size_t n, const T* q, T* out, AttentionScratch<T>& scratch,
-            ThreadPool* pool = nullptr) {
+void attend_kv_head(const ModelConfig& cfg, const S& store, std::size_t layer, std::size_t g,
+                    std::size_t q_first, std::size_t n, const T* q, T* out,
+                    AttentionScratch<T>& scratch, std::size_t t) {
   using detail::RowMatrix;
   using Stride = Eigen::OuterStride<>;
+  constexpr std::size_t kTile = AttentionScratch<T>::kTile;
   const auto dim = static_cast<std::size_t>(cfg.dim);
   const auto hs = static_cast<std::size_t>(cfg.head_size());
   const auto kv_mul = static_cast<std::size_t>(cfg.kv_mul());
-  const auto n_kv_heads = static_cast<std::size_t>(cfg.n_kv_heads);
   const T scale = T(1) / std::sqrt(static_cast<T>(hs));
   const T neg_inf = -std::numeric_limits<T>::infinity();
   const auto ni = static_cast<Eigen::Index>(n);
   const auto hsi = static_cast<Eigen::Index>(hs);
+  const auto dims = Stride(static_cast<Eigen::Index>(dim));
   const std::size_t q_last = q_first + n - 1;
-  const std::size_t end = q_last + 1;
 
-  // Work of one kv head and its kv_mul query heads, on thread `t`.
-  const auto group = [&](std::size_t g, std::size_t t) {
-    T* const tile_scores = scratch.thread_scores(t);
+  T* const tile_scores = scratch.thread_scores(t);  // [n][cols] of the current tile
+  T* const m_all = scratch.thread_row_max(t);       // [kv_mul][n]
+  T* const l_all = scratch.thread_row_sum(t);       // [kv_mul][n]
+  for (std::size_t j = 0; j < kv_mul; ++j) {
+    detail::StridedMap<T>(out + (g * kv_mul + j) * hs, ni, hsi, dims).setZero();
+    std::fill_n(m_all + j * n, n, neg_inf);
+    std::fill_n(l_all + j * n, n, T(0));
+  }
+
+  // The tile being gathered: up to kTile key rows from one or more blocks.
+  struct Segment {
+    const T* keys;    // [rows][stride]
+    const T* values;  // [rows][stride]
+    std::size_t stride;
+    std::size_t first;  // cache index of the first row
+    std::size_t col;    // its first column in the tile
+    std::size_t rows;
+  };
+  std::array<Segment, kTile> segs;  // [n_segs] (a block gives at least one row)
+  std::size_t n_segs = 0;
+  std::size_t cols = 0;
+
+  const auto flush = [&] {
+    if (cols == 0) return;
+    // Short blocks gathered for a few queries skip the setup of a GEMV per block; a tile of one
+    // block (every tile of a contiguous store) keeps the matrix products.
+    const auto key_by_key = [&](const Segment& sg) {
+      return n_segs > 1 && n <= kMaxKeyByKeyQueries && sg.rows < kMinProductRows;
+    };
+    const auto ci = static_cast<Eigen::Index>(cols);
+    const Segment& last = segs[n_segs - 1];
+    // Every query sees every key of the tile unless a key lies past the first query or the
+    // store adds a mask of its own.
+    bool full = last.first + last.rows - 1 <= q_first;
+    if constexpr (MaskingKvStore<S>) full = false;
     for (std::size_t j = 0; j < kv_mul; ++j) {
       const std::size_t h = g * kv_mul + j;
-      detail::StridedMap<T>(out + h * hs, ni, hsi, Stride(static_cast<Eigen::Index>(dim)))
-          .setZero();
-      std::fill_n(scratch.row_max.data() + h * n, n, neg_inf);
-      std::fill_n(scratch.row_sum.data() + h * n, n, T(0));
-    }
-    store.for_each_block(layer, g, end, scratch.thread_block(t), [&](const KvBlock<T>& b) {
-      for (std::size_t t0 = 0; t0 < b.n; t0 += AttentionScratch<T>::kTile) {
-        const std::size_t tn = std::min(AttentionScratch<T>::kTile, b.n - t0);
-        const std::size_t k_first = b.first + t0;
-        const std::size_t k_last = k_first + tn - 1;
-        if (k_first > q_last) return;  // later keys are in every query's future
-        const auto tni = static_cast<Eigen::Index>(tn);
-        const auto bs = Stride(static_cast<Eigen::Index>(b.stride));
-        const detail::ConstStridedMap<T> keys(b.keys + t0 * b.stride, tni, hsi, bs);
-        const detail::ConstStridedMap<T> values(b.values + t0 * b.stride, tni, hsi, bs);
-        // Every query sees every key of the tile unless a key lies past the first query or the
-        // store adds a mask of its own.
-        bool full = k_last <= q_first;
-        if constexpr (MaskingKvStore<S>) full = false;
-
-        for (std::size_t j = 0; j < kv_mul; ++j) {
-          const std::size_t h = g * kv_mul + j;
-          const detail::ConstStridedMap<T> qh(q + h * hs, ni, hsi,
-                                              Stride(static_cast<Eigen::Index>(dim)));
-          detail::StridedMap<T> oh(out + h * hs, ni, hsi, Stride(static_cast<Eigen::Index>(dim)));
-          Eigen::Map<RowMatrix<T>> s(tile_scores, ni, tni);
-          s.noalias() = (qh * keys.transpose()) * scale;
-          T* m = scratch.row_max.data() + h * n;
-          T* l = scratch.row_sum.data() + h * n;
-          for (std::size_t r = 0; r < n; ++r) {
-            auto row = s.row(static_cast<Eigen::Index>(r));
-            if (!full) {
-              const std::size_t qi = q_first + r;
-              for (std::size_t c = 0; c < tn; ++c) {
-                const std::size_t ki = k_first + c;
-                bool visible = ki <= qi;
-                if constexpr (MaskingKvStore<S>) visible = visible && !store.masks(qi, ki);
-                if (!visible) row(static_cast<Eigen::Index>(c)) = neg_inf;
-              }
-            }
-            const T tile_max = row.maxCoeff();
-            if (tile_max == neg_inf) {  // nothing visible in this tile for this query
-              row.setZero();
-              continue;
-            }
-            const T new_max = std::max(m[r], tile_max);
-            const T correction = std::exp(m[r] - new_max);  // exp(-inf) = 0 on the first tile
-            row = (row.array() - new_max).exp();
-            l[r] = l[r] * correction + row.sum();
-            m[r] = new_max;
-            if (correction != T(1)) oh.row(static_cast<Eigen::Index>(r)) *= correction;
+      const detail::ConstStridedMap<T> qh(q + h * hs, ni, hsi, dims);
+      detail::StridedMap<T> oh(out + h * hs, ni, hsi, dims);
+      Eigen::Map<RowMatrix<T>> s(tile_scores, ni, ci);
+      for (std::size_t k = 0; k < n_segs; ++k) {
+        const Segment& sg = segs[k];
+        if (key_by_key(sg)) {
+          for (std::size_t c = 0; c < sg.rows; ++c) {
+            const detail::ConstVectorMap<T> key(sg.keys + c * sg.stride, hsi);
+            for (std::size_t r = 0; r < n; ++r)
+              s(static_cast<Eigen::Index>(r), static_cast<Eigen::Index>(sg.col + c)) =
+                  qh.row(static_cast<Eigen::Index>(r)).dot(key.transpose()) * scale;
           }
-          oh.noalias() += s * values;
+        } else {
+          const auto ri = static_cast<Eigen::Index>(sg.rows);
+          const auto bs = Stride(static_cast<Eigen::Index>(sg.stride));
+          s.middleCols(static_cast<Eigen::Index>(sg.col), ri).noalias() =
+              (qh * detail::ConstStridedMap<T>(sg.keys, ri, hsi, bs).transpose()) * scale;
         }
       }
-    });
-    for (std::size_t j = 0; j < kv_mul; ++j) {
-      const std::size_t h = g * kv_mul + j;
-      detail::StridedMap<T> oh(out + h * hs, ni, hsi, Stride(static_cast<Eigen::Index>(dim)));
-      const T* l = scratch.row_sum.data() + h * n;
-      for (std::size_t r = 0; r < n; ++r) oh.row(static_cast<Eigen::Index>(r)) /= l[r];
+      T* m = m_all + j * n;
+      T* l = l_all + j * n;
+      for (std::size_t r = 0; r < n; ++r) {
+        auto row = s.row(static_cast<Eigen::Index>(r));
+        if (!full) {
+          const std::size_t qi = q_first + r;
+          for (std::size_t k = 0; k < n_segs; ++k) {
+            const Segment& sg = segs[k];
+            for (std::size_t c = 0; c < sg.rows; ++c) {
+              const std::size_t ki = sg.first + c;
+              bool visible = ki <= qi;
+              if constexpr (MaskingKvStore<S>) visible = visible && !store.masks(qi, ki);
+              if (!visible) row(static_cast<Eigen::Index>(sg.col + c)) = neg_inf;
+            }
+          }
+        }
+        const T tile_max = row.maxCoeff();
+        if (tile_max == neg_inf) {  // nothing visible in this tile for this query
+          row.setZero();
+          continue;
+        }
+        const T new_max = std::max(m[r], tile_max);
+        const T correction = std::exp(m[r] - new_max);  // exp(-inf) = 0 on the first tile
+        row = (row.array() - new_max).exp();
+        l[r] = l[r] * correction + row.sum();
+        m[r] = new_max;
+        if (correction != T(1)) oh.row(static_cast<Eigen::Index>(r)) *= correction;
+      }
+      for (std::size_t k = 0; k < n_segs; ++k) {
+        const Segment& sg = segs[k];
+        if (key_by_key(sg)) {
+          for (std::size_t c = 0; c < sg.rows; ++c)
+            for (std::size_t r = 0; r < n; ++r)
+              detail::axpy(out + r * dim + h * hs,
+                           s(static_cast<Eigen::Index>(r), static_cast<Eigen::Index>(sg.col + c)),
+                           sg.values + c * sg.stride, hs);
+        } else {
+          const auto ri = static_cast<Eigen::Index>(sg.rows);
+          const auto bs = Stride(static_cast<Eigen::Index>(sg.stride));
+          oh.noalias() += s.middleCols(static_cast<Eigen::Index>(sg.col), ri) *
+                          detail::ConstStridedMap<T>(sg.values, ri, hsi, bs);
+        }
+      }
     }
+    n_segs = 0;
+    cols = 0;
   };
 
+  const bool in_place = store.block_scratch_size() == 0;
+  bool past_queries = false;  // later keys are in every query's future
+  store.for_each_block(layer, g, q_last + 1, scratch.thread_block(t), [&](const KvBlock<T>& b) {
+    for (std::size_t r0 = 0; r0 < b.n && !past_queries;) {
+      if (b.first + r0 > q_last) {
+        past_queries = true;
+        break;
+      }
+      const std::size_t take = std::min(kTile - cols, b.n - r0);
+      segs[n_segs++] = Segment{
+          b.keys + r0 * b.stride, b.values + r0 * b.stride, b.stride, b.first + r0, cols, take};
+      if (b.n < kMinProductRows)
+        detail::prefetch_rows(b.keys + r0 * b.stride, b.values + r0 * b.stride, take * b.stride);
+      cols += take;
+      r0 += take;
+      if (cols == kTile) flush();
+    }
+    if (!in_place) flush();  // the block's rows are gone after this callback
+  });
+  flush();
+
+  for (std::size_t j = 0; j < kv_mul; ++j) {
+    detail::StridedMap<T> oh(out + (g * kv_mul + j) * hs, ni, hsi, dims);
+    const T* l = l_all + j * n;
+    for (std::size_t r = 0; r < n; ++r) oh.row(static_cast<Eigen::Index>(r)) /= l[r];
+  }
+}
+
+/// out [n][dim] = softmax(q kᵀ / sqrt(head_size)) v for n queries of one layer (see
+/// attend_kv_head). With a pool (of at most scratch.n_threads() threads) the kv heads are
+/// shared out among its threads; each head's arithmetic is the same on any thread, so the
+/// result is too.
+template <class T, KvStore S>
+void attend(const ModelConfig& cfg, const S& store, std::size_t layer, std::size_t q_first,
+            std::size_t n, const T* q, T* out, AttentionScratch<T>& scratch,
+            ThreadPool* pool = nullptr) {
+  const auto n_kv_heads = static_cast<std::size_t>(cfg.n_kv_heads);
+  const std::size_t end = q_first + n;
   // Threads only pay when each gets tens of microseconds of keys to stream.
-  const std::size_t work = n * end * hs * static_cast<std::size_t>(cfg.n_heads);
+  const std::size_t work =
+      n * end * static_cast<std::size_t>(cfg.head_size()) * static_cast<std::size_t>(cfg.n_heads);
   ThreadPool* p = work >= kMinParallelAttention && n_kv_heads > 1 ? pool : nullptr;
   KVDECODE_CHECK(p == nullptr || p->size() <= scratch.n_threads(), "attend: a pool of ",
                  p == nullptr ? 0 : p->size(), " threads, but the scratch is sized for ",
                  scratch.n_threads());
+  KVDECODE_CHECK(n <= scratch.max_queries(), "attend: ", n,
+                 " queries, but the scratch is sized for ", scratch.max_queries());
   parallel_run(p, [&](std::size_t t, std::size_t nt) {
     const auto [g0, g1] = ThreadPool::share(n_kv_heads, nt, t);
-    for (std::size_t g = g0; g < g1; ++g) group(g, t);
+    for (std::size_t g = g0; g < g1; ++g)
+      attend_kv_head(cfg, store, layer, g, q_first, n, q, out, scratch, t);
   });
 }
 

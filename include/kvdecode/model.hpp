@@ -1,5 +1,6 @@
 // Model<T>: a Llama-architecture decoder over a KvStore. prefill() runs many tokens with
-// matrix-matrix products and writes their K/V; decode() runs one token against the cache.
+// matrix-matrix products and writes their K/V; decode() runs one token against the cache;
+// decode_batch() / prefill_batch() run several sequences, each weight read once for all.
 #pragma once
 
 #include <algorithm>
@@ -76,6 +77,36 @@ class Model {
     return run(tokens, cache, act, all_logits, false);
   }
 
+  /// One decode step of B = stores.size() sequences: token b runs at the next cache index of
+  /// *stores[b]. Each weight matrix is read once for the whole batch (the B tokens' activations
+  /// are a [B][dim] matrix); attention runs per sequence over its own store, RoPE at its own
+  /// position. Returns the logits [B][vocab_size] (a view into act.batch_logits). Needs
+  /// B ≤ act.max_batch; allocates nothing. Transactional: if any check or any store's
+  /// begin_append throws (a full store, an exhausted pool, a bad token), the appends already
+  /// begun are cancelled and every store is left as it was.
+  /// For B = 1 the arithmetic is decode()'s, so the logits are the same bit for bit.
+  template <KvStore S>
+  std::span<const T> decode_batch(std::span<const std::int32_t> tokens, std::span<S* const> stores,
+                                  Activations<T>& act) const {
+    KVDECODE_CHECK(tokens.size() == stores.size(), "Model::decode_batch: ", tokens.size(),
+                   " tokens for ", stores.size(), " sequences, expected one per sequence");
+    return run_batch(tokens, {}, stores, act, true);
+  }
+
+  /// Prefill of B = stores.size() prompts (or continuations) at once: sequence b's tokens are
+  /// the next lengths[b] of `tokens` (prompts concatenated in order), run after what *stores[b]
+  /// holds. Inputs longer than act.max_tokens run in chunks of act.max_tokens tokens across
+  /// sequence boundaries; each chunk reads every weight matrix once. Returns the logits of each
+  /// prompt's last token, [B][vocab_size] in act.batch_logits. Transactional as decode_batch.
+  template <KvStore S>
+  std::span<const T> prefill_batch(std::span<const std::int32_t> tokens,
+                                   std::span<const std::size_t> lengths, std::span<S* const> stores,
+                                   Activations<T>& act) const {
+    KVDECODE_CHECK(lengths.size() == stores.size(), "Model::prefill_batch: ", lengths.size(),
+                   " lengths for ", stores.size(), " sequences");
+    return run_batch(tokens, lengths, stores, act, false);
+  }
+
   /// The no-cache oracle: logits [tokens.size()][vocab_size] of every position, computed by the
   /// independent plain loops of reference.hpp.
   std::vector<T> forward_reference(
@@ -84,42 +115,68 @@ class Model {
   }
 
  private:
+  using Segment = detail::BatchSegment;
+
+  /// The checks every entry makes on a store before touching it.
   template <KvStore S>
-  std::span<const T> run(std::span<const std::int32_t> tokens, S& cache, Activations<T>& act,
-                         std::span<T> all_logits, bool is_decode) const {
+  void check_store(const S& cache) const {
     const ModelConfig& cfg = w_.config;
-    const auto vocab = static_cast<std::size_t>(cfg.vocab_size);
-    KVDECODE_CHECK(!tokens.empty(), "Model::prefill: no tokens given");
-    for (std::size_t i = 0; i < tokens.size(); ++i) {
-      KVDECODE_CHECK(tokens[i] >= 0 && tokens[i] < cfg.vocab_size, "Model: token id ", tokens[i],
-                     " at input position ", i, " is outside the vocabulary [0, ", cfg.vocab_size,
-                     ")");
-    }
-    KVDECODE_CHECK(all_logits.empty() || all_logits.size() == tokens.size() * vocab,
-                   "Model::prefill: all_logits holds ", all_logits.size(), " values, expected ",
-                   tokens.size(), " × ", vocab, " = ", tokens.size() * vocab);
     KVDECODE_CHECK(cache.n_layers() == static_cast<std::size_t>(cfg.n_layers) &&
                        cache.n_kv_heads() == static_cast<std::size_t>(cfg.n_kv_heads) &&
                        cache.head_size() == static_cast<std::size_t>(cfg.head_size()),
                    "Model: the store's shape (", cache.n_layers(), " layers, ", cache.n_kv_heads(),
                    " kv heads, head size ", cache.head_size(), ") does not match the model (",
                    cfg.n_layers, ", ", cfg.n_kv_heads, ", ", cfg.head_size(), ")");
-    KVDECODE_CHECK(act.logits.size() == vocab &&
+  }
+  void check_tokens_and_act(std::span<const std::int32_t> tokens, const Activations<T>& act) const {
+    const ModelConfig& cfg = w_.config;
+    KVDECODE_CHECK(!tokens.empty(), "Model::prefill: no tokens given");
+    for (std::size_t i = 0; i < tokens.size(); ++i) {
+      KVDECODE_CHECK(tokens[i] >= 0 && tokens[i] < cfg.vocab_size, "Model: token id ", tokens[i],
+                     " at input position ", i, " is outside the vocabulary [0, ", cfg.vocab_size,
+                     ")");
+    }
+    KVDECODE_CHECK(act.logits.size() == static_cast<std::size_t>(cfg.vocab_size) &&
                        act.x.size() == act.max_tokens * static_cast<std::size_t>(cfg.dim),
                    "Model: the Activations were built for another config");
     KVDECODE_CHECK(act.pool == nullptr || act.pool->size() <= act.n_threads,
                    "Model: the Activations' pool has ", act.pool == nullptr ? 0 : act.pool->size(),
                    " threads but its scratch was sized for ", act.n_threads,
                    "; pass the pool to the Activations constructor");
+  }
 
+  template <KvStore S>
+  std::span<const T> run(std::span<const std::int32_t> tokens, S& cache, Activations<T>& act,
+                         std::span<T> all_logits, bool is_decode) const {
+    const ModelConfig& cfg = w_.config;
+    const auto vocab = static_cast<std::size_t>(cfg.vocab_size);
+    check_tokens_and_act(tokens, act);
+    KVDECODE_CHECK(all_logits.empty() || all_logits.size() == tokens.size() * vocab,
+                   "Model::prefill: all_logits holds ", all_logits.size(), " values, expected ",
+                   tokens.size(), " × ", vocab, " = ", tokens.size() * vocab);
+    check_store(cache);
+
+    S* const store[1] = {&cache};
     cache.begin_append(tokens);  // throws, changing nothing, when the cache is full
     try {
       for (std::size_t done = 0; done < tokens.size();) {
         const std::size_t n = std::min(act.max_tokens, tokens.size() - done);
         const bool last_chunk = done + n == tokens.size();
-        std::span<T> chunk_logits;
-        if (!all_logits.empty()) chunk_logits = all_logits.subspan(done * vocab, n * vocab);
-        forward_chunk(tokens.subspan(done, n), done, cache, act, chunk_logits, last_chunk);
+        const Segment seg[1] = {{0, 0, done, n}};
+        forward_layers(tokens.subspan(done, n), std::span<S* const>(store),
+                       std::span<const Segment>(seg), act);
+        // Classifier: every row when all logits are wanted, else only the last token's.
+        const auto dim = static_cast<std::size_t>(cfg.dim);
+        if (!all_logits.empty()) {
+          T* chunk_logits = all_logits.data() + done * vocab;
+          detail::rmsnorm(act.xb.data(), act.x.data(), gain_final(), n, dim, cfg.norm_eps);
+          linear_group({{chunk_logits, w_.classifier(), vocab}}, act.xb.data(), n, dim, act);
+          if (last_chunk) std::copy_n(chunk_logits + (n - 1) * vocab, vocab, act.logits.data());
+        } else if (last_chunk) {
+          detail::rmsnorm(act.xb.data(), act.x.data() + (n - 1) * dim, gain_final(), 1, dim,
+                          cfg.norm_eps);
+          linear_group({{act.logits.data(), w_.classifier(), vocab}}, act.xb.data(), 1, dim, act);
+        }
         done += n;
       }
     } catch (...) {
@@ -134,10 +191,117 @@ class Model {
     return act.logits.span();
   }
 
-  /// One chunk of n tokens at pending offset `pending_first` of the open append.
+  /// decode_batch (lengths empty: one token per sequence) and prefill_batch.
   template <KvStore S>
-  void forward_chunk(std::span<const std::int32_t> tokens, std::size_t pending_first, S& cache,
-                     Activations<T>& act, std::span<T> chunk_logits, bool last_chunk) const {
+  std::span<const T> run_batch(std::span<const std::int32_t> tokens,
+                               std::span<const std::size_t> lengths, std::span<S* const> stores,
+                               Activations<T>& act, bool is_decode) const {
+    const ModelConfig& cfg = w_.config;
+    const auto vocab = static_cast<std::size_t>(cfg.vocab_size);
+    const auto dim = static_cast<std::size_t>(cfg.dim);
+    const std::size_t B = stores.size();
+    const char* const name = is_decode ? "Model::decode_batch" : "Model::prefill_batch";
+    KVDECODE_CHECK(B > 0, name, ": no sequences given");
+    KVDECODE_CHECK(B <= act.max_batch, name, ": ", B,
+                   " sequences, but the Activations were built for batches of at most ",
+                   act.max_batch, " (the max_batch constructor argument)");
+    check_tokens_and_act(tokens, act);
+    const auto length = [&](std::size_t b) { return lengths.empty() ? 1 : lengths[b]; };
+    std::size_t total = 0;
+    for (std::size_t b = 0; b < B; ++b) {
+      KVDECODE_CHECK(length(b) > 0, name, ": sequence ", b, " has no tokens");
+      total += length(b);
+    }
+    KVDECODE_CHECK(total == tokens.size(), name, ": the lengths add up to ", total, " tokens but ",
+                   tokens.size(), " were given");
+    for (std::size_t b = 0; b < B; ++b) {
+      KVDECODE_CHECK(stores[b] != nullptr, name, ": the store of sequence ", b, " is null");
+      check_store(*stores[b]);
+      for (std::size_t c = 0; c < b; ++c)
+        KVDECODE_CHECK(stores[c] != stores[b], name, ": sequences ", c, " and ", b,
+                       " are the same store");
+    }
+
+    // Every append begins before any K/V is written; the first that cannot (a full store, an
+    // exhausted pool) throws, and the ones already begun are cancelled.
+    std::size_t begun = 0;
+    const auto cancel_begun = [&]() noexcept {
+      for (std::size_t b = 0; b < begun; ++b) stores[b]->cancel_append();
+    };
+    try {
+      for (std::size_t at = 0; begun < B; at += length(begun), ++begun)
+        stores[begun]->begin_append(tokens.subspan(at, length(begun)));
+    } catch (...) {
+      cancel_begun();
+      throw;
+    }
+
+    std::uint64_t rows_read = 0;  // Σ over (sequence, chunk) of the rows attention streams
+    std::uint64_t logit_chunks = 0;
+    std::uint64_t chunks = 0;
+    try {
+      // Chunks of up to max_tokens rows of the concatenation; a sequence may span several.
+      std::size_t b = 0;       // first sequence with rows in the chunk
+      std::size_t b_done = 0;  // rows of sequence b in earlier chunks
+      for (std::size_t done = 0; done < total; ++chunks) {
+        const std::size_t n = std::min(act.max_tokens, total - done);
+        std::size_t n_segs = 0;
+        std::size_t ending_first = B;  // sequences ending in this chunk: [ending_first, b)
+        for (std::size_t row = 0; row < n;) {
+          const std::size_t rows = std::min(length(b) - b_done, n - row);
+          act.segments[n_segs++] = Segment{b, row, b_done, rows};
+          rows_read += stores[b]->size() + b_done + rows;
+          row += rows;
+          b_done += rows;
+          if (b_done == length(b)) {
+            ending_first = std::min(ending_first, b);
+            ++b;
+            b_done = 0;
+          }
+        }
+        forward_layers(tokens.subspan(done, n), stores,
+                       std::span<const Segment>(act.segments.data(), n_segs), act);
+        // Classifier on the last row of each sequence that ends here: they are consecutive
+        // sequences, so their logits rows are too.
+        if (ending_first < b) {
+          std::size_t k = 0;
+          for (std::size_t s = 0; s < n_segs; ++s) {
+            const Segment& sg = act.segments[s];
+            if (sg.pending_first + sg.rows != length(sg.seq)) continue;
+            detail::rmsnorm(act.xb.data() + k * dim, act.x.data() + (sg.row + sg.rows - 1) * dim,
+                            gain_final(), 1, dim, cfg.norm_eps);
+            ++k;
+          }
+          linear_group({{act.batch_logits.data() + ending_first * vocab, w_.classifier(), vocab}},
+                       act.xb.data(), k, dim, act);
+          ++logit_chunks;
+        }
+        done += n;
+      }
+    } catch (...) {
+      cancel_begun();
+      throw;
+    }
+    for (std::size_t s = 0; s < B; ++s) stores[s]->commit_append();
+
+    if (act.counters != nullptr) {
+      PhaseCounters& c = is_decode ? act.counters->decode : act.counters->prefill;
+      std::uint64_t visible = 0;
+      for (std::size_t s = 0; s < B; ++s) {
+        const std::uint64_t m = length(s);
+        visible += m * (stores[s]->size() - m) + m * (m + 1) / 2;
+      }
+      add_work(c, total, visible, rows_read, chunks, logit_chunks, B);
+    }
+    return act.batch_logits.span().first(B * vocab);
+  }
+
+  /// Embedding, RoPE angles and every layer for one chunk of n = tokens.size() rows made of
+  /// segments (runs of rows of one sequence each, in row order); leaves the residual stream of
+  /// every row in act.x [n][dim]. K/V rows go to each segment's store at its pending offset.
+  template <KvStore S>
+  void forward_layers(std::span<const std::int32_t> tokens, std::span<S* const> stores,
+                      std::span<const Segment> segs, Activations<T>& act) const {
     const ModelConfig& cfg = w_.config;
     const std::size_t n = tokens.size();
     const auto dim = static_cast<std::size_t>(cfg.dim);
@@ -145,15 +309,49 @@ class Model {
     const auto hidden = static_cast<std::size_t>(cfg.hidden_dim);
     const auto hs = static_cast<std::size_t>(cfg.head_size());
     const auto half = hs / 2;
-    const auto vocab = static_cast<std::size_t>(cfg.vocab_size);
-    const std::size_t first = cache.size() + pending_first;  // cache index of tokens[0]
+    const auto n_kv_heads = static_cast<std::size_t>(cfg.n_kv_heads);
 
-    for (std::size_t i = 0; i < n; ++i) {
-      const W* row = w_.token_embedding.data() + static_cast<std::size_t>(tokens[i]) * dim;
-      widen_into(act.x.data() + i * dim, row, dim);
-      rope_angles(cache.rope_position(first + i), hs, cfg.rope_theta,
-                  act.rope_cos.data() + i * half, act.rope_sin.data() + i * half);
+    for (const Segment& sg : segs) {
+      const S& cache = *stores[sg.seq];
+      for (std::size_t i = sg.row; i < sg.row + sg.rows; ++i) {
+        const W* row = w_.token_embedding.data() + static_cast<std::size_t>(tokens[i]) * dim;
+        widen_into(act.x.data() + i * dim, row, dim);
+        // RoPE at the sequence's own position of this row.
+        const std::size_t index = cache.size() + sg.pending_first + (i - sg.row);
+        rope_angles(cache.rope_position(index), hs, cfg.rope_theta, act.rope_cos.data() + i * half,
+                    act.rope_sin.data() + i * half);
+      }
     }
+
+    // Attention of a batch: (segment, kv head) items claimed from a shared counter, as the
+    // sequences' contexts differ. One segment keeps attend()'s static split over kv heads.
+    std::size_t work = 0;
+    for (const Segment& sg : segs)
+      work += sg.rows * (stores[sg.seq]->size() + sg.pending_first + sg.rows);
+    work *= hs * static_cast<std::size_t>(cfg.n_heads);
+    const std::size_t items = segs.size() * n_kv_heads;
+    ThreadPool* const attention_pool =
+        work >= kMinParallelAttention && items > 1 ? act.pool : nullptr;
+    const auto attention = [&](std::size_t l) {
+      if (segs.size() == 1) {
+        const Segment& sg = segs[0];
+        const S& cache = *stores[sg.seq];
+        attend(cfg, cache, l, cache.size() + sg.pending_first, sg.rows, act.q.data() + sg.row * dim,
+               act.att.data() + sg.row * dim, act.attention, act.pool);
+        return;
+      }
+      std::atomic<std::size_t> next{0};
+      parallel_run(attention_pool, [&](std::size_t t, std::size_t) {
+        for (std::size_t i = next.fetch_add(1, std::memory_order_relaxed); i < items;
+             i = next.fetch_add(1, std::memory_order_relaxed)) {
+          const Segment& sg = segs[i / n_kv_heads];
+          const S& cache = *stores[sg.seq];
+          attend_kv_head(cfg, cache, l, i % n_kv_heads, cache.size() + sg.pending_first, sg.rows,
+                         act.q.data() + sg.row * dim, act.att.data() + sg.row * dim, act.attention,
+                         t);
+        }
+      });
+    };
 
     // Every projection below is split across act.pool's threads by weight rows; q/k/v and the
     // FFN gate/up share one region each, as they read the same input.
@@ -168,16 +366,19 @@ class Model {
                {act.k.data(), lw.wk.data(), kv_dim},
                {act.v.data(), lw.wv.data(), kv_dim}},
               act.xb.data(), dim);
-      for (std::size_t i = 0; i < n; ++i) {
-        const T* c = act.rope_cos.data() + i * half;
-        const T* s = act.rope_sin.data() + i * half;
-        apply_rope(act.q.data() + i * dim, static_cast<std::size_t>(cfg.n_heads), hs,
-                   cfg.rope_style, c, s);
-        apply_rope(act.k.data() + i * kv_dim, static_cast<std::size_t>(cfg.n_kv_heads), hs,
-                   cfg.rope_style, c, s);
-        cache.write(l, pending_first + i, act.k.data() + i * kv_dim, act.v.data() + i * kv_dim);
+      for (const Segment& sg : segs) {
+        S& cache = *stores[sg.seq];
+        for (std::size_t i = sg.row; i < sg.row + sg.rows; ++i) {
+          const T* c = act.rope_cos.data() + i * half;
+          const T* s = act.rope_sin.data() + i * half;
+          apply_rope(act.q.data() + i * dim, static_cast<std::size_t>(cfg.n_heads), hs,
+                     cfg.rope_style, c, s);
+          apply_rope(act.k.data() + i * kv_dim, n_kv_heads, hs, cfg.rope_style, c, s);
+          cache.write(l, sg.pending_first + (i - sg.row), act.k.data() + i * kv_dim,
+                      act.v.data() + i * kv_dim);
+        }
       }
-      attend(cfg, cache, l, first, n, act.q.data(), act.att.data(), act.attention, act.pool);
+      attention(l);
       project({{act.xb.data(), lw.wo.data(), dim}}, act.att.data(), dim);
       add_into(act.x.data(), act.xb.data(), n * dim);
       // Feed-forward block.
@@ -187,17 +388,6 @@ class Model {
       detail::swiglu(act.hb.data(), act.hb2.data(), n * hidden);
       project({{act.xb.data(), lw.w2.data(), dim}}, act.hb.data(), hidden);
       add_into(act.x.data(), act.xb.data(), n * dim);
-    }
-
-    // Classifier: every row when all logits are wanted, else only the last token of the input.
-    if (!chunk_logits.empty()) {
-      detail::rmsnorm(act.xb.data(), act.x.data(), gain_final(), n, dim, cfg.norm_eps);
-      project({{chunk_logits.data(), w_.classifier(), vocab}}, act.xb.data(), dim);
-      if (last_chunk) std::copy_n(chunk_logits.data() + (n - 1) * vocab, vocab, act.logits.data());
-    } else if (last_chunk) {
-      const T* x_last = act.x.data() + (n - 1) * dim;
-      detail::rmsnorm(act.xb.data(), x_last, gain_final(), 1, dim, cfg.norm_eps);
-      linear_group({{act.logits.data(), w_.classifier(), vocab}}, act.xb.data(), 1, dim, act);
     }
   }
 
@@ -213,7 +403,9 @@ class Model {
   /// One token (GEMV, memory bound): threads claim chunks of ~64 KiB of weight rows from a
   /// shared counter, so a thread the OS delays holds the others up by one chunk at most.
   /// Several tokens (GEMM, compute bound): a static split into one slice per thread, as
-  /// Eigen's GEMM packs the input once per call and wants large slices.
+  /// Eigen's GEMM packs the input once per call and wants large slices; up to kMaxFewTokens
+  /// tokens (a batched decode step) with f32 weights on AVX-512, gemm_few, which streams each
+  /// weight row once for all the tokens and sums each output as the GEMV does.
   static void linear_group(std::initializer_list<Projection> ps, const T* x, std::size_t n,
                            std::size_t in, Activations<T>& act) {
     std::size_t weights = 0;
@@ -248,6 +440,8 @@ class Model {
         if (r1 <= r0) continue;
         if (n == 1) {
           detail::gemv_rows(p.y, p.w, x, r0, r1, in);
+        } else if (n <= detail::kMaxFewTokens && detail::kHasGemmFew<T, W>) {
+          detail::gemm_few(p.y, x, p.w, n, in, p.out, r0, r1, static_cast<T*>(nullptr));
         } else {
           detail::gemm_cols(
               p.y, x, p.w, n, in, p.out, r0, r1,
@@ -291,14 +485,6 @@ class Model {
   /// Every figure is a closed form in these four numbers, so counting costs nothing per token.
   void count(PhaseCounters& c, std::size_t before, std::size_t n, std::size_t logit_rows,
              std::size_t chunk = 0) const {
-    const ModelConfig& cfg = w_.config;
-    const auto L = static_cast<std::uint64_t>(cfg.n_layers);
-    const auto dim = static_cast<std::uint64_t>(cfg.dim);
-    const auto kv_dim = static_cast<std::uint64_t>(cfg.kv_dim());
-    const auto hidden = static_cast<std::uint64_t>(cfg.hidden_dim);
-    const auto vocab = static_cast<std::uint64_t>(cfg.vocab_size);
-    const auto hs = static_cast<std::uint64_t>(cfg.head_size());
-    const auto n_heads = static_cast<std::uint64_t>(cfg.n_heads);
     const std::uint64_t b = before;
     const std::uint64_t m = n;
     const std::uint64_t per_chunk = chunk == 0 || chunk > n ? m : std::uint64_t{chunk};
@@ -310,6 +496,24 @@ class Model {
     // share every tile): Σ over chunks of (b + end) rows, end = per_chunk, 2·per_chunk, ..., m.
     const std::uint64_t full = chunks - 1;  // chunks of exactly per_chunk tokens before the last
     const std::uint64_t rows_read = chunks * b + per_chunk * full * (full + 1) / 2 + m;
+    add_work(c, m, visible, rows_read, chunks, logit_rows > 1 ? chunks : 1, logit_rows);
+  }
+
+  /// Adds the work of m tokens whose queries see `visible` keys in all (per layer and query
+  /// head), whose attention streamed rows_read K/V rows per layer and kv head, run in `chunks`
+  /// passes over the layer weights, with the classifier read logit_chunks times for logit_rows
+  /// rows of logits. Batched calls pass these sums over their sequences: weights are read once
+  /// per chunk of the batch, not once per sequence.
+  void add_work(PhaseCounters& c, std::uint64_t m, std::uint64_t visible, std::uint64_t rows_read,
+                std::uint64_t chunks, std::uint64_t logit_chunks, std::uint64_t logit_rows) const {
+    const ModelConfig& cfg = w_.config;
+    const auto L = static_cast<std::uint64_t>(cfg.n_layers);
+    const auto dim = static_cast<std::uint64_t>(cfg.dim);
+    const auto kv_dim = static_cast<std::uint64_t>(cfg.kv_dim());
+    const auto hidden = static_cast<std::uint64_t>(cfg.hidden_dim);
+    const auto vocab = static_cast<std::uint64_t>(cfg.vocab_size);
+    const auto hs = static_cast<std::uint64_t>(cfg.head_size());
+    const auto n_heads = static_cast<std::uint64_t>(cfg.n_heads);
     c.tokens += m;
     c.kv_projections += m * L;
     c.attention_scores += visible * n_heads * L;
@@ -319,13 +523,12 @@ class Model {
     // once per chunk that computes logits (only the last one unless all logits are wanted); one
     // embedding row per token.
     const std::uint64_t layer_matrices = dim * dim * 2 + kv_dim * dim * 2 + hidden * dim * 3;
-    const std::uint64_t logit_chunks = logit_rows > 1 ? chunks : 1;
     c.weight_bytes_read +=
         (chunks * L * (layer_matrices + 2 * dim) + logit_chunks * (dim + vocab * dim) + m * dim) *
         sizeof(W);
     // FLOPs of the matrix products (2 per multiply-add): projections, classifier, q·k and p·v.
-    c.flops += 2 * m * L * layer_matrices + 2 * std::uint64_t{logit_rows} * vocab * dim +
-               4 * visible * n_heads * hs * L;
+    c.flops +=
+        2 * m * L * layer_matrices + 2 * logit_rows * vocab * dim + 4 * visible * n_heads * hs * L;
   }
 
   Weights<W> w_;

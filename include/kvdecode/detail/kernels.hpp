@@ -3,6 +3,8 @@
 //              so it is memory bound; AVX-512 when the compiler targets it, Eigen otherwise);
 //   gemm_cols  y[n][out] = x[n][in]·wᵀ for a range of output columns (prefill: Eigen's GEMM on
 //              each thread's slice of weight rows; bf16 weights are widened panel by panel);
+//   gemm_few   the same for a few tokens (a batched decode step): each weight row is streamed
+//              once from memory for all tokens, f32 AVX-512 (gemm_cols elsewhere);
 //   linear     either one, split across a ThreadPool.
 // f32 weights with f32 activations, bf16 weights with f32 activations and f32 accumulation.
 #pragma once
@@ -252,6 +254,125 @@ void gemm_cols(T* y, const T* x, const W* w, std::size_t n, std::size_t in, std:
       slice(b, e, panel);
     }
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// GEMM of a few tokens (batched decode): weights streamed once, every token reusing each load.
+// ---------------------------------------------------------------------------------------------
+
+/// Most tokens gemm_few takes; more are a prefill-sized GEMM, where Eigen's packing pays.
+inline constexpr std::size_t kMaxFewTokens = 16;
+
+#if defined(__AVX512F__)
+// The register-tile loops must unroll fully, or the accumulators live on the stack.
+#if defined(__clang__)
+#define KVDECODE_UNROLL _Pragma("unroll")
+#elif defined(__GNUC__)
+#define KVDECODE_UNROLL _Pragma("GCC unroll 16")
+#else
+#define KVDECODE_UNROLL
+#endif
+
+/// Whether gemm_few has a kernel for these types on this target (else it calls gemm_cols).
+template <class T, class W>
+inline constexpr bool kHasGemmFew = std::is_same_v<T, float>&& std::is_same_v<W, float>;
+
+/// R weight rows × N tokens: each 64-byte load of a weight row feeds N tokens and each load of
+/// a token's input feeds R rows. Each (row, token) sums exactly as gemv_block_f32_avx512 does
+/// (two accumulators over alternate 16-column halves of every 32, the tail in the second), so
+/// a token's output does not depend on the batch it runs in and equals the GEMV's bit for bit.
+template <int R, int N>
+inline void gemm_few_block_avx512(float* y, std::size_t y_stride, const float* w, const float* x,
+                                  std::size_t cols) {
+  __m512 acc0[R][N];
+  __m512 acc1[R][N];
+  KVDECODE_UNROLL
+  for (int i = 0; i < R; ++i) KVDECODE_UNROLL
+  for (int j = 0; j < N; ++j) acc0[i][j] = acc1[i][j] = _mm512_setzero_ps();
+  const auto wr = [&](int i) { return w + static_cast<std::size_t>(i) * cols; };
+  const auto xr = [&](int j) { return x + static_cast<std::size_t>(j) * cols; };
+  std::size_t c = 0;
+  for (; c + 32 <= cols; c += 32) {
+    KVDECODE_UNROLL
+    for (int i = 0; i < R; ++i) {
+      const __m512 w0 = _mm512_loadu_ps(wr(i) + c);
+      const __m512 w1 = _mm512_loadu_ps(wr(i) + c + 16);
+      KVDECODE_UNROLL
+      for (int j = 0; j < N; ++j) {
+        acc0[i][j] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr(j) + c), acc0[i][j]);
+        acc1[i][j] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr(j) + c + 16), acc1[i][j]);
+      }
+    }
+  }
+  if (c + 16 <= cols) {
+    KVDECODE_UNROLL
+    for (int i = 0; i < R; ++i) {
+      const __m512 w0 = _mm512_loadu_ps(wr(i) + c);
+      KVDECODE_UNROLL
+      for (int j = 0; j < N; ++j)
+        acc0[i][j] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr(j) + c), acc0[i][j]);
+    }
+    c += 16;
+  }
+  if (c < cols) {
+    const auto m = static_cast<__mmask16>((1u << (cols - c)) - 1u);
+    KVDECODE_UNROLL
+    for (int i = 0; i < R; ++i) {
+      const __m512 w0 = _mm512_maskz_loadu_ps(m, wr(i) + c);
+      KVDECODE_UNROLL
+      for (int j = 0; j < N; ++j)
+        acc1[i][j] = _mm512_fmadd_ps(w0, _mm512_maskz_loadu_ps(m, xr(j) + c), acc1[i][j]);
+    }
+  }
+  KVDECODE_UNROLL
+  for (int i = 0; i < R; ++i) KVDECODE_UNROLL
+  for (int j = 0; j < N; ++j)
+    y[static_cast<std::size_t>(j) * y_stride + static_cast<std::size_t>(i)] =
+        _mm512_reduce_add_ps(_mm512_add_ps(acc0[i][j], acc1[i][j]));
+}
+
+/// Rows [r0, r1) of R at a time for tokens [0, n), N ≤ 4 tokens at a time (2 × 4 × 2 = 16
+/// accumulators leave registers for the loads).
+template <int R>
+inline void gemm_few_rows_avx512(float* y, const float* x, const float* w, std::size_t n,
+                                 std::size_t in, std::size_t out, std::size_t r) {
+  std::size_t t = 0;
+  for (; t + 4 <= n; t += 4)
+    gemm_few_block_avx512<R, 4>(y + t * out + r, out, w + r * in, x + t * in, in);
+  switch (n - t) {
+    case 3:
+      gemm_few_block_avx512<R, 3>(y + t * out + r, out, w + r * in, x + t * in, in);
+      break;
+    case 2:
+      gemm_few_block_avx512<R, 2>(y + t * out + r, out, w + r * in, x + t * in, in);
+      break;
+    case 1:
+      gemm_few_block_avx512<R, 1>(y + t * out + r, out, w + r * in, x + t * in, in);
+      break;
+    default:
+      break;
+  }
+}
+#else
+template <class T, class W>
+inline constexpr bool kHasGemmFew = false;
+#endif
+
+/// y [n][out] columns [c0, c1) = x [n][in] · w [c0..c1)[in]ᵀ for n ≤ kMaxFewTokens tokens:
+/// two weight rows at a time, read from memory once and from L1 by every later group of
+/// tokens. Without a kernel for the types/target it is gemm_cols.
+template <class T, class W>
+void gemm_few(T* y, const T* x, const W* w, std::size_t n, std::size_t in, std::size_t out,
+              std::size_t c0, std::size_t c1, T* panel) {
+#if defined(__AVX512F__)
+  if constexpr (kHasGemmFew<T, W>) {
+    std::size_t r = c0;
+    for (; r + 2 <= c1; r += 2) gemm_few_rows_avx512<2>(y, x, w, n, in, out, r);
+    if (r < c1) gemm_few_rows_avx512<1>(y, x, w, n, in, out, r);
+    return;
+  }
+#endif
+  gemm_cols(y, x, w, n, in, out, c0, c1, panel);
 }
 
 // ---------------------------------------------------------------------------------------------
