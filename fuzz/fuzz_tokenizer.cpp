@@ -32,7 +32,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       (void)t.score(id);
       (void)t.decode(kvdecode::Tokenizer::kBos, id);
       (void)kvdecode::Tokenizer::printed_text(t.decode(id, id));
-      if (text.size() < 256) text += p;  // the merge loop is quadratic: keep runs fast
+      if (text.size() < 256) text += p;  // short texts keep executions fast
     }
     // The vocabulary's own bytes as text: merges over this vocabulary's scores, byte fallback
     // (or its Error when the vocabulary has no id for a byte).
