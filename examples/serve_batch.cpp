@@ -8,7 +8,6 @@
 //               [--blocks N] [--no-prefix-cache] [--round-robin] [--temperature T] [--seed S]
 //               [--help]
 #include <algorithm>
-#include <charconv>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -17,6 +16,8 @@
 #include <string>
 #include <string_view>
 #include <vector>
+
+#include "cli.hpp"
 
 namespace {
 
@@ -52,61 +53,44 @@ struct Options {
   std::uint64_t seed = 7;
 };
 
-struct UsageError {
-  std::string message;
-};
-
-template <class N>
-N parse_number(std::string_view flag, std::string_view text) {
-  N value{};
-  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
-  if (ec != std::errc() || end != text.data() + text.size())
-    throw UsageError{std::string(flag) + " expects a number, got '" + std::string(text) + "'"};
-  return value;
-}
-
 Options parse(int argc, char** argv) {
   Options o;
-  for (int i = 1; i < argc; ++i) {
-    const std::string_view a = argv[i];
-    const auto value = [&]() -> std::string_view {
-      if (i + 1 >= argc) throw UsageError{std::string(a) + " needs a value"};
-      return argv[++i];
-    };
+  for (cli::Args args(argc, argv); args.next();) {
+    const std::string_view a = args.flag();
     if (a == "--help" || a == "-h") {
       std::fputs(kUsage, stdout);
       std::exit(0);
     } else if (a == "--requests") {
-      o.requests = parse_number<std::size_t>(a, value());
+      o.requests = args.number<std::size_t>();
     } else if (a == "--system") {
-      o.system = parse_number<std::size_t>(a, value());
+      o.system = args.number<std::size_t>();
     } else if (a == "--question") {
-      o.question = parse_number<std::size_t>(a, value());
+      o.question = args.number<std::size_t>();
     } else if (a == "-n") {
-      o.n = parse_number<std::size_t>(a, value());
+      o.n = args.number<std::size_t>();
     } else if (a == "--block-size") {
-      o.block_size = parse_number<std::size_t>(a, value());
+      o.block_size = args.number<std::size_t>();
     } else if (a == "--blocks") {
-      o.blocks = parse_number<std::size_t>(a, value());
+      o.blocks = args.number<std::size_t>();
     } else if (a == "--round-robin") {
       o.round_robin = true;
     } else if (a == "--no-prefix-cache") {
       o.prefix_cache = false;
     } else if (a == "--temperature") {
-      o.temperature = parse_number<double>(a, value());
+      o.temperature = args.number<double>();
     } else if (a == "--seed") {
-      o.seed = parse_number<std::uint64_t>(a, value());
+      o.seed = args.number<std::uint64_t>();
     } else {
-      throw UsageError{"unknown argument '" + std::string(a) + "'"};
+      args.unknown();
     }
   }
-  if (o.requests == 0) throw UsageError{"--requests must be >= 1"};
-  if (o.question == 0) throw UsageError{"--question must be >= 1"};
-  if (o.n == 0) throw UsageError{"-n must be >= 1"};
-  if (o.block_size == 0) throw UsageError{"--block-size must be >= 1"};
-  if (o.blocks == 0) throw UsageError{"--blocks must be >= 1"};
-  if (o.temperature < 0) throw UsageError{"--temperature must be >= 0"};
-  if (o.seed == 0) throw UsageError{"--seed must be > 0"};
+  if (o.requests == 0) throw cli::UsageError{"--requests must be >= 1"};
+  if (o.question == 0) throw cli::UsageError{"--question must be >= 1"};
+  if (o.n == 0) throw cli::UsageError{"-n must be >= 1"};
+  if (o.block_size == 0) throw cli::UsageError{"--block-size must be >= 1"};
+  if (o.blocks == 0) throw cli::UsageError{"--blocks must be >= 1"};
+  if (o.temperature < 0) throw cli::UsageError{"--temperature must be >= 0"};
+  if (o.seed == 0) throw cli::UsageError{"--seed must be > 0"};
   return o;
 }
 
@@ -278,19 +262,5 @@ int run(const Options& o) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  Options options;
-  try {
-    options = parse(argc, argv);
-  } catch (const UsageError& e) {
-    std::fprintf(stderr, "serve_batch: %s\n\n%s", e.message.c_str(), kUsage);
-    return 2;
-  }
-  try {
-    return run(options);
-  } catch (const kvdecode::Error& e) {
-    std::fprintf(stderr, "serve_batch: %s\n", e.what());
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "serve_batch: error: %s\n", e.what());
-  }
-  return 1;
+  return cli::run_main("serve_batch", [&] { return run(parse(argc, argv)); });
 }
