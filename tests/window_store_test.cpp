@@ -248,6 +248,33 @@ TEST(WindowStoreTest, StreamingLayerZeroKeysEqualAFreshCacheOfTheKeptTokens) {
   }
 }
 
+// max_append() is exactly the most begin_append accepts: that many (or any fewer) are taken,
+// one more is refused, for both policies over random appends and rollbacks.
+TEST(WindowStoreTest, MaxAppendIsExactlyWhatBeginAppendAccepts) {
+  const ModelConfig cfg = small_config(4, 2, 64);
+  const std::vector<float> row(static_cast<std::size_t>(cfg.kv_dim()), 0.5f);
+  for (const WindowPolicy policy : {WindowPolicy::kTrainedWindow, WindowPolicy::kStreaming}) {
+    WindowStore<float> s(
+        cfg, {.window = 6, .sinks = 2, .policy = policy, .max_chunk = 3, .max_positions = 60});
+    detail::SplitMix64 rng(17);
+    std::size_t appends = 0;
+    while (s.size() < s.capacity()) {
+      const std::size_t m = s.max_append();
+      ASSERT_GE(m, 1u) << "size " << s.size();
+      EXPECT_THROW(s.begin_append(test_tokens(s.size(), m + 1)), Error) << "size " << s.size();
+      EXPECT_EQ(s.pending(), 0u);
+      const std::size_t n = 1 + rng.next() % m;
+      s.begin_append(test_tokens(s.size(), n));
+      for (std::size_t l = 0; l < s.n_layers(); ++l)
+        for (std::size_t i = 0; i < n; ++i) s.write(l, i, row.data(), row.data());
+      s.commit_append();
+      ++appends;
+      if (rng.next() % 4 == 0 && s.size() > 1) s.truncate(s.size() - 1);  // within max_chunk
+    }
+    EXPECT_GT(appends, 10u);
+  }
+}
+
 TEST(WindowStoreTest, StreamingRefusesChunksPastAFullCacheAndBadOptions) {
   const ModelConfig cfg = small_config(4, 2, 64);
   WindowStore<float> s(cfg, {.window = 6,

@@ -17,7 +17,6 @@
 #include "kvdecode/kv_store.hpp"
 #include "kvdecode/model.hpp"
 #include "kvdecode/sampler.hpp"
-#include "kvdecode/window_store.hpp"
 
 namespace kvdecode {
 
@@ -60,29 +59,17 @@ struct NoHook {
   void operator()() const {}
 };
 
-/// A store whose appends may be capped below its free capacity by a streaming policy
-/// (WindowStore under WindowPolicy::kStreaming).
-template <class S>
-concept StreamingWindowed = requires(const S& s) {
-  { s.policy() } -> std::same_as<WindowPolicy>;
-  { s.sinks() } -> std::same_as<std::size_t>;
-  { s.window() } -> std::same_as<std::size_t>;
-};
-
-/// Most positions one append to `cache` may hold now. Its free capacity, except that a streaming
-/// window appends one position at a time once its S + W positions fill (each later query sees
-/// the keys rotated differently, and attention asks the store for them once per append).
-/// At least 1 while the cache has room.
+/// Most positions one append to `cache` may hold now: what the store says through an optional
+/// max_append() member (a WindowStore caps appends; see there), else its free capacity.
 template <KvStore S>
 std::size_t append_limit(const S& cache) {
-  const std::size_t room = cache.capacity() - cache.size();
-  if constexpr (StreamingWindowed<S>) {
-    if (cache.policy() == WindowPolicy::kStreaming) {
-      const std::size_t full = cache.sinks() + cache.window();
-      return std::min(room, cache.size() < full ? full - cache.size() : std::size_t{1});
-    }
+  if constexpr (requires {
+                  { cache.max_append() } -> std::same_as<std::size_t>;
+                }) {
+    return cache.max_append();
+  } else {
+    return cache.capacity() - cache.size();
   }
-  return room;
 }
 
 }  // namespace detail

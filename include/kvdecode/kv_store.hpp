@@ -41,7 +41,9 @@ struct KvBlockSinkArchetype {
 ///
 /// A cache index is a token's index in the sequence the store holds (0 = first token). The store
 /// says which RoPE position a cache index is rotated by, and it may hide keys from a query
-/// beyond the causal mask (a sliding window) through an optional `masks(q, k)` member.
+/// beyond the causal mask (a sliding window) through an optional `masks(q, k)` member. A store
+/// that accepts fewer positions per append than its free capacity says how many through an
+/// optional `max_append()` member (generate() then feeds longer inputs in pieces).
 template <class S>
 concept KvStore = requires(S& s, const S& cs, std::size_t i, const typename S::Scalar* row,
                            std::span<const std::int32_t> tokens,

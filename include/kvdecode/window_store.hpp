@@ -141,6 +141,20 @@ class WindowStore {
     return policy_ == WindowPolicy::kStreaming ? kRotateRows * head_size_ : 0;
   }
 
+  /// The most positions one begin_append accepts now (it refuses more, naming the rule): the
+  /// room left; under kStreaming, one at a time once S + W positions are held; and once the
+  /// ring holds keys a later query needs, what leaves those intact for a cancel. At least 1
+  /// while there is room. A caller with more tokens prefills this many, then continues.
+  std::size_t max_append() const {
+    std::size_t n = capacity_ - size_;
+    if (policy_ == WindowPolicy::kStreaming)
+      n = std::min(n, size_ < sinks_ + window_ ? sinks_ + window_ - size_ : std::size_t{1});
+    const std::size_t needed =
+        std::max({sinks_, oldest_, size_ + 1 > window_ ? size_ + 1 - window_ : 0});
+    if (size_ > needed) n = std::min(n, needed + ring_ - size_);
+    return n;
+  }
+
   void begin_append(std::span<const std::int32_t> tokens) {
     const std::size_t n = tokens.size();
     KVDECODE_CHECK(pending_ == 0, "WindowStore::begin_append: ", pending_,
