@@ -3,12 +3,15 @@
 #pragma once
 
 #include <charconv>
+#include <cstddef>
 #include <cstdio>
 #include <exception>
+#include <initializer_list>
 #include <kvdecode/error.hpp>
 #include <string>
 #include <string_view>
 #include <system_error>
+#include <utility>
 
 namespace cli {
 
@@ -56,6 +59,19 @@ class Args {
   N number() {
     const std::string_view v = value();
     return parse_number<N>(flag_, v);
+  }
+  /// value() as one of the named choices, or UsageError "<flag> expects a, b or c, got 'x'".
+  template <class E>
+  E choice(std::initializer_list<std::pair<std::string_view, E>> choices) {
+    const std::string_view v = value();
+    std::string names;
+    std::size_t i = 0;
+    for (const auto& [name, e] : choices) {
+      if (name == v) return e;
+      names += (i == 0 ? "" : i + 1 == choices.size() ? " or " : ", ") + std::string(name);
+      ++i;
+    }
+    throw UsageError{std::string(flag_) + " expects " + names + ", got '" + std::string(v) + "'"};
   }
   [[noreturn]] void unknown() const {
     throw UsageError{"unknown argument '" + std::string(flag_) + "'"};

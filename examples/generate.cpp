@@ -137,25 +137,10 @@ Options parse(int argc, char** argv) {
     } else if (a == "--chunk") {
       o.chunk = args.number<std::size_t>();
     } else if (a == "--weights") {
-      const std::string_view v = args.value();
-      if (v == "f32") {
-        o.weights = WeightType::kF32;
-      } else if (v == "bf16") {
-        o.weights = WeightType::kBf16;
-      } else {
-        throw cli::UsageError{"--weights expects f32 or bf16, got '" + std::string(v) + "'"};
-      }
+      o.weights = args.choice<WeightType>({{"f32", WeightType::kF32}, {"bf16", WeightType::kBf16}});
     } else if (a == "--kv") {
-      const std::string_view v = args.value();
-      if (v == "f32") {
-        o.kv = KvType::kF32;
-      } else if (v == "int8") {
-        o.kv = KvType::kInt8;
-      } else if (v == "q4") {
-        o.kv = KvType::kQ4;
-      } else {
-        throw cli::UsageError{"--kv expects f32, int8 or q4, got '" + std::string(v) + "'"};
-      }
+      o.kv = args.choice<KvType>(
+          {{"f32", KvType::kF32}, {"int8", KvType::kInt8}, {"q4", KvType::kQ4}});
     } else if (a == "--window") {
       o.window = args.number<std::size_t>();
       if (o.window == 0) throw cli::UsageError{"--window must be >= 1"};
