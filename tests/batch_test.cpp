@@ -80,6 +80,17 @@ struct Batch {
     }
     for (auto& s : stores) ptrs.push_back(s.get());
   }
+  /// The same sequences, each in a contiguous store of its own, for one-at-a-time decoding.
+  std::vector<ContiguousStore<T>> singles(const ModelConfig& cfg, const Model<T>& model,
+                                          Activations<T>& act) const {
+    std::vector<ContiguousStore<T>> out;
+    for (const Tokens& t : tokens) {
+      out.emplace_back(cfg);
+      model.prefill(t, out.back(), act);
+    }
+    return out;
+  }
+
   std::unique_ptr<BlockPool<T>> pool;
   std::vector<std::unique_ptr<Store>> stores;
   std::vector<Store*> ptrs;
@@ -94,12 +105,8 @@ void decode_batch_matches_reference_and_single_decode() {
   Batch<T, Paged> batch(cfg, model);
   const std::size_t B = batch.ptrs.size();
   // The same sequences, decoded one at a time in contiguous stores.
-  std::vector<ContiguousStore<T>> singles;
   Activations<T> single_act(cfg, 8);
-  for (std::size_t b = 0; b < B; ++b) {
-    singles.emplace_back(cfg);
-    model.prefill(batch.tokens[b], singles[b], single_act);
-  }
+  std::vector<ContiguousStore<T>> singles = batch.singles(cfg, model, single_act);
   Activations<T> act(cfg, 1, 0, nullptr, B);
   for (std::size_t step = 0; step < 6; ++step) {
     const Tokens next = random_tokens(B, cfg.vocab_size, 300 + step);
@@ -357,12 +364,8 @@ TEST(BatchTest, CountersSumTheSequencesAndReadWeightsOnce) {
   const Model<float> model(random_weights<float>(cfg, 38));
   Batch<float, false> batch(cfg, model);
   const std::size_t B = batch.ptrs.size();
-  std::vector<ContiguousStore<float>> singles;
   Activations<float> single_act(cfg, 8);
-  for (std::size_t b = 0; b < B; ++b) {
-    singles.emplace_back(cfg);
-    model.prefill(batch.tokens[b], singles[b], single_act);
-  }
+  std::vector<ContiguousStore<float>> singles = batch.singles(cfg, model, single_act);
   WorkCounters batched, single;
   Activations<float> act(cfg, 1, 0, nullptr, B);
   act.counters = &batched;
