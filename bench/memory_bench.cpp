@@ -24,9 +24,9 @@ using namespace kvdecode;
 /// Planner counters shared by both benchmarks: bytes per position, the cache at seq_len, the
 /// f32 weights, and the shortest context whose cache (batch 1) is larger than the weights.
 void set_plan_counters(benchmark::State& state, const ModelConfig& cfg) {
-  const MemoryPlanner<float> plan(cfg);
+  const MemoryPlanner<ContiguousStore<float>> plan(cfg);
   const std::uint64_t weights = weight_bytes<float>(cfg);
-  state.counters["kv_bytes_per_token"] = static_cast<double>(plan.bytes_per_position());
+  state.counters["kv_bytes_per_token"] = plan.bytes_per_position();
   state.counters["kv_MiB_at_seq_len"] =
       static_cast<double>(plan.kv_bytes(static_cast<std::uint64_t>(cfg.seq_len))) / (1 << 20);
   state.counters["weights_MiB"] = static_cast<double>(weights) / (1 << 20);
@@ -39,7 +39,7 @@ void set_plan_counters(benchmark::State& state, const ModelConfig& cfg) {
 void BM_KvAppend(benchmark::State& state, std::int64_t n_kv_heads) {
   const ModelConfig cfg = kvdecode::bench::bench_config(n_kv_heads);
   ContiguousStore<float> store(cfg);
-  const MemoryPlanner<float> plan(cfg);
+  const MemoryPlanner<ContiguousStore<float>> plan(cfg);
   if (plan.kv_bytes(store.capacity()) != store.memory_bytes()) {
     state.SkipWithError("MemoryPlanner disagrees with ContiguousStore::memory_bytes()");
     return;
@@ -77,7 +77,7 @@ ModelConfig llama_shape(std::int64_t n_kv_heads, std::int64_t hidden, std::int64
 }
 
 void BM_KvPlan(benchmark::State& state, const ModelConfig& cfg) {
-  const MemoryPlanner<float> plan(cfg);
+  const MemoryPlanner<ContiguousStore<float>> plan(cfg);
   std::uint64_t budget = std::uint64_t{24} << 30;  // this machine's RAM
   for (auto _ : state) {
     benchmark::DoNotOptimize(budget);

@@ -51,45 +51,11 @@ const Model<float>& long_model() {
   return model;
 }
 
-enum class Kind { kF32, kInt8, kQ4, kWindow, kStreaming };
-
-// The store of each kind for `capacity` positions.
-template <Kind K>
-auto make_store(const ModelConfig& cfg, std::size_t capacity) {
-  if constexpr (K == Kind::kF32) {
-    return ContiguousStore<float>(cfg, capacity);
-  } else if constexpr (K == Kind::kInt8) {
-    return Int8Store<float>(cfg, capacity);
-  } else if constexpr (K == Kind::kQ4) {
-    return Q4Store<float>(cfg, capacity);
-  } else {
-    return WindowStore<float>(cfg, {.window = kWindowPositions,
-                                    .sinks = kSinkPositions,
-                                    .policy = K == Kind::kWindow ? WindowPolicy::kTrainedWindow
-                                                                 : WindowPolicy::kStreaming,
-                                    .max_chunk = 1,
-                                    .max_positions = capacity});
-  }
-}
-
-// Bytes of K and V one position costs in the store (scales included), as its class states it.
-template <Kind K>
-double bytes_per_position(const ModelConfig& cfg) {
-  const double f32 = 2.0 * static_cast<double>(cfg.n_layers * cfg.kv_dim()) * sizeof(float);
-  if constexpr (K == Kind::kInt8) {
-    return static_cast<double>(Int8Store<float>::bytes_per_token(cfg));
-  } else if constexpr (K == Kind::kQ4) {
-    return Q4Store<float>::bytes_per_token(cfg);
-  } else {
-    return f32;
-  }
-}
-
-// T positions of random K/V rows, written straight into the store: one append for the full
-// stores, one position per append for the window stores (streaming past S + W takes one
-// position at a time, and the ring holds only max_chunk = 1 extra slot).
+// T positions of random K/V rows, written straight into the store one position per append (a
+// streaming window past S + W takes one position at a time, and its ring holds only
+// max_chunk = 1 extra slot; the other stores do not mind).
 template <class Store>
-void fill(Store& store, const ModelConfig& cfg, std::size_t T, bool one_at_a_time) {
+void fill(Store& store, const ModelConfig& cfg, std::size_t T) {
   const auto kv_dim = static_cast<std::size_t>(cfg.kv_dim());
   const auto L = static_cast<std::size_t>(cfg.n_layers);
   const std::vector<std::int32_t> tokens = bench::bench_tokens(T);
@@ -98,42 +64,37 @@ void fill(Store& store, const ModelConfig& cfg, std::size_t T, bool one_at_a_tim
   for (float& x : rows) x = static_cast<float>(rng.next() % 2001) / 1000.0f - 1.0f;
   const float* k = rows.data();
   const float* v = rows.data() + 64 * kv_dim;
-  const std::size_t step = one_at_a_time ? 1 : T;
-  for (std::size_t first = 0; first < T; first += step) {
-    const std::size_t n = std::min(step, T - first);
-    store.begin_append(std::span<const std::int32_t>(tokens).subspan(first, n));
-    for (std::size_t l = 0; l < L; ++l)
-      for (std::size_t i = 0; i < n; ++i) {
-        const std::size_t r = (first + i + l) % 64;
-        store.write(l, i, k + r * kv_dim, v + r * kv_dim);
-      }
+  for (std::size_t p = 0; p < T; ++p) {
+    store.begin_append(std::span<const std::int32_t>(tokens).subspan(p, 1));
+    for (std::size_t l = 0; l < L; ++l) {
+      const std::size_t r = (p + l) % 64;
+      store.write(l, 0, k + r * kv_dim, v + r * kv_dim);
+    }
     store.commit_append();
   }
 }
 
-template <Kind K>
-void BM_StoreDecode(benchmark::State& state) {
+/// One decode step at cache index T of store S built with `options` (capacity T + 1). The K/V
+/// bytes it reads come from the work counters, which ask the store.
+template <class S>
+void BM_StoreDecode(benchmark::State& state, typename S::Options options) {
   const Model<float>& model = long_model();
   const ModelConfig& cfg = model.config();
   const auto T = static_cast<std::size_t>(state.range(0));
-  auto store = make_store<K>(cfg, T + 1);
-  fill(store, cfg, T, K == Kind::kWindow || K == Kind::kStreaming);
+  options.capacity = T + 1;
+  S store(cfg, options);
+  fill(store, cfg, T);
   Activations<float> act(cfg, 1, store.block_scratch_size());
   const std::int32_t token = 7;
-  // Positions attention reads for the new token at index T: all T + 1, or the S sinks and the
-  // W newest under a window.
-  const std::size_t rows_read = K == Kind::kWindow || K == Kind::kStreaming
-                                    ? std::min(T + 1, kSinkPositions + kWindowPositions)
-                                    : T + 1;
-  {  // one counted step, outside the timing: the weight bytes it streams
+  {  // one counted step, outside the timing: the bytes it streams
     WorkCounters c;
     act.counters = &c;
     model.decode(token, store, act);
     store.truncate(T);
     act.counters = nullptr;
-    const double kv_read = bytes_per_position<K>(cfg) * static_cast<double>(rows_read);
+    const auto kv_read = static_cast<double>(c.decode.kv_bytes_read);
     const auto weights = static_cast<double>(c.decode.weight_bytes_read);
-    state.counters["kv_bytes_per_token"] = bytes_per_position<K>(cfg);
+    state.counters["kv_bytes_per_token"] = MemoryPlanner<S>(cfg, options).bytes_per_position();
     state.counters["store_bytes"] = static_cast<double>(store.memory_bytes());
     state.counters["store_bytes_per_token"] =
         static_cast<double>(store.memory_bytes()) / static_cast<double>(T);
@@ -160,11 +121,19 @@ void contexts(benchmark::internal::Benchmark* b) {
   b->Unit(benchmark::kMillisecond);
 }
 
-BENCHMARK(BM_StoreDecode<Kind::kF32>)->Name("BM_StoreDecode/f32")->Apply(contexts);
-BENCHMARK(BM_StoreDecode<Kind::kInt8>)->Name("BM_StoreDecode/int8")->Apply(contexts);
-BENCHMARK(BM_StoreDecode<Kind::kQ4>)->Name("BM_StoreDecode/q4")->Apply(contexts);
-BENCHMARK(BM_StoreDecode<Kind::kWindow>)->Name("BM_StoreDecode/window")->Apply(contexts);
-BENCHMARK(BM_StoreDecode<Kind::kStreaming>)->Name("BM_StoreDecode/streaming")->Apply(contexts);
+constexpr WindowOptions window_options(WindowPolicy policy) {
+  return {.window = kWindowPositions, .sinks = kSinkPositions, .policy = policy, .max_chunk = 1};
+}
+
+BENCHMARK_CAPTURE(BM_StoreDecode<ContiguousStore<float>>, f32, {})->Apply(contexts);
+BENCHMARK_CAPTURE(BM_StoreDecode<Int8Store<float>>, int8, {})->Apply(contexts);
+BENCHMARK_CAPTURE(BM_StoreDecode<Q4Store<float>>, q4, {})->Apply(contexts);
+BENCHMARK_CAPTURE(BM_StoreDecode<WindowStore<float>>, window,
+                  window_options(WindowPolicy::kTrainedWindow))
+    ->Apply(contexts);
+BENCHMARK_CAPTURE(BM_StoreDecode<WindowStore<float>>, streaming,
+                  window_options(WindowPolicy::kStreaming))
+    ->Apply(contexts);
 
 }  // namespace
 

@@ -289,29 +289,6 @@ using kvdecode::Int8Store;
 using kvdecode::Q4Store;
 using kvdecode::WindowStore;
 
-/// Bytes of K and V one cached position holds over all layers and kv heads.
-double kv_bytes_per_position(const ContiguousStore<float>&, const kvdecode::ModelConfig& c) {
-  return 2.0 * static_cast<double>(c.n_layers * c.kv_dim()) * sizeof(float);
-}
-double kv_bytes_per_position(const WindowStore<float>&, const kvdecode::ModelConfig& c) {
-  return 2.0 * static_cast<double>(c.n_layers * c.kv_dim()) * sizeof(float);
-}
-double kv_bytes_per_position(const Int8Store<float>&, const kvdecode::ModelConfig& c) {
-  return static_cast<double>(Int8Store<float>::bytes_per_token(c));
-}
-double kv_bytes_per_position(const Q4Store<float>&, const kvdecode::ModelConfig& c) {
-  return Q4Store<float>::bytes_per_token(c);  // key-group metadata amortised over a group
-}
-
-/// Positions the newest query attends to: the whole cache, or the sinks and the window.
-template <class S>
-std::size_t positions_attended(const S& store) {
-  return store.size();
-}
-std::size_t positions_attended(const WindowStore<float>& store) {
-  return std::min(store.size(), store.sinks() + store.window());
-}
-
 /// Tokens per prefill pass: --chunk, or what the window's ring was sized for.
 template <class S>
 std::size_t prefill_chunk(const S&, std::size_t chunk) {
@@ -394,15 +371,9 @@ int generate_with(const Options& o, const Source& src, const kvdecode::Model<flo
     saved = cache.size();
     counters = WorkCounters{};
   };
-  // Each token: print it (a BOS ends the text as in run.c, or is skipped with --ignore-bos),
-  // and add the K/V bytes the decode step that produced it read (every token but the first).
-  double kv_bytes_read = 0;
-  std::size_t tokens_seen = 0;
+  // Each token: print it (a BOS ends the text as in run.c, or is skipped with --ignore-bos).
   std::int32_t prev = prompt.back();
   const auto on_token = [&](std::int32_t token) {
-    if (tokens_seen++ > 0 && !o.no_cache)
-      kv_bytes_read +=
-          static_cast<double>(positions_attended(cache)) * kv_bytes_per_position(cache, cfg);
     if (token != Tokenizer::kBos) {
       const std::string_view text = Tokenizer::printed_text(tokenizer.decode(prev, token));
       std::fwrite(text.data(), 1, text.size(), stdout);
@@ -465,11 +436,10 @@ int generate_with(const Options& o, const Source& src, const kvdecode::Model<flo
     std::fprintf(out, "decode             %.1f tok/s (%zu tokens in %.2f ms)\n", tok_s, steps,
                  decode_ms);
   } else {
-    // Bytes the decode steps streamed: every weight once per step (WorkCounters counts them
-    // exactly) plus the store's bytes for every position attended. (WorkCounters' own
-    // kv_bytes_read counts f32 rows of the whole history, what ContiguousStore reads and equal
-    // to kv_bytes_read here for it; the int8, q4 and window stores read fewer bytes.)
+    // Bytes the decode steps streamed, as WorkCounters count them: every weight once per step
+    // and the K/V bytes each store says attention read.
     const auto weight_bytes = static_cast<double>(counters.decode.weight_bytes_read);
+    const auto kv_bytes_read = static_cast<double>(counters.decode.kv_bytes_read);
     const double bytes = weight_bytes + kv_bytes_read;
     const double per_step = steps > 0 ? 1.0 / static_cast<double>(steps) : 0.0;
     std::fprintf(out,
@@ -501,7 +471,7 @@ int generate_with_store(const Options& o, const Source& src, const kvdecode::Mod
     // one token at a time), and the ring's size grows with the chunk.
     wo.max_chunk = std::min(o.chunk, sinks + o.window);
     // Only the token ids (4 bytes each) grow with the length; K and V stay S + W - 1 + chunk.
-    wo.max_positions = src.prompt.size() + o.n;
+    wo.capacity = src.prompt.size() + o.n;
     WindowStore<float> store(cfg, wo);
     return generate_with(o, src, model, store, pool);
   }

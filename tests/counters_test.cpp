@@ -2,8 +2,10 @@
 // against closed-form sums written out here as plain loops (not the arithmetic of count()).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include "kvdecode/io/checkpoint.hpp"
@@ -256,6 +258,139 @@ TEST(CountersTest, FailedCallCountsNothing) {
   EXPECT_THROW(model.decode(1, cache, act), Error);
   EXPECT_EQ(c.prefill, before.prefill);
   EXPECT_EQ(c.decode, before.decode);
+}
+
+// ---------------------------------------------------------------------------------------------
+// K/V bytes read, per store: what attention really asks each store for (measured by a wrapper
+// that counts the rows every for_each_block hands out), and what the counters report (the bytes
+// of the store's own representation), both against formulas written here.
+
+/// A store that forwards everything to S and counts the rows attention is handed.
+template <class S>
+class CountingStore {
+ public:
+  using Scalar = typename S::Scalar;
+  using Options = typename S::Options;
+  static std::uint64_t memory_bytes_for(const ModelConfig& c, const Options& o) {
+    return S::memory_bytes_for(c, o);
+  }
+  template <class... A>
+  explicit CountingStore(A&&... a) : s_(std::forward<A>(a)...) {}
+
+  std::size_t size() const { return s_.size(); }
+  std::size_t pending() const { return s_.pending(); }
+  std::size_t capacity() const { return s_.capacity(); }
+  std::size_t n_layers() const { return s_.n_layers(); }
+  std::size_t n_kv_heads() const { return s_.n_kv_heads(); }
+  std::size_t head_size() const { return s_.head_size(); }
+  std::size_t memory_bytes() const { return s_.memory_bytes(); }
+  Options options() const { return s_.options(); }
+  std::size_t max_append() const { return s_.max_append(); }
+  std::uint64_t read_bytes(std::size_t end) const { return s_.read_bytes(end); }
+  std::size_t max_exact_rollback() const { return s_.max_exact_rollback(); }
+  std::size_t rope_position(std::size_t i) const { return s_.rope_position(i); }
+  std::size_t block_scratch_size() const { return s_.block_scratch_size(); }
+  void begin_append(std::span<const std::int32_t> t) { s_.begin_append(t); }
+  std::span<const std::int32_t> tokens() const { return s_.tokens(); }
+  void write(std::size_t l, std::size_t i, const Scalar* k, const Scalar* v) {
+    s_.write(l, i, k, v);
+  }
+  void commit_append() { s_.commit_append(); }
+  void cancel_append() noexcept { s_.cancel_append(); }
+  void truncate(std::size_t n) { s_.truncate(n); }
+  void reset() { s_.reset(); }
+  bool masks(std::size_t q, std::size_t k) const requires MaskingKvStore<S> {
+    return s_.masks(q, k);
+  }
+  template <class Sink>
+  void for_each_block(std::size_t l, std::size_t h, std::size_t end, std::span<Scalar> scratch,
+                      Sink&& sink) const {
+    s_.for_each_block(l, h, end, scratch, [&](const KvBlock<Scalar>& b) {
+      rows += b.n;
+      past_end = past_end || b.first + b.n > end;
+      sink(b);
+    });
+  }
+
+  mutable std::uint64_t rows = 0;  ///< rows handed to attention, over every (layer, kv head)
+  mutable bool past_end = false;   ///< whether a block reached past the end asked for
+  S s_;
+};
+
+/// Prefills p tokens in chunks of `chunk`, then decodes n more, on store `s`; returns the cache
+/// index each attention pass ended at (the chunk's or the token's end) and the counters.
+template <class S>
+std::vector<std::uint64_t> run_counted(const Model<float>& model, S& s, std::size_t p,
+                                       std::size_t n, std::size_t chunk, WorkCounters& c) {
+  const ModelConfig& cfg = model.config();
+  const auto seq = random_tokens(p + n, cfg.vocab_size, 4);
+  Activations<float> act(cfg, chunk, s.block_scratch_size());
+  act.counters = &c;
+  std::vector<std::uint64_t> ends;
+  model.prefill(std::span<const std::int32_t>(seq).first(p), s, act);
+  for (std::size_t e = chunk; e < p; e += chunk) ends.push_back(e);
+  ends.push_back(p);
+  for (std::size_t t = p; t < p + n; ++t) {
+    model.decode(seq[t], s, act);
+    ends.push_back(t + 1);
+  }
+  return ends;
+}
+
+/// Checks the measured rows and the counted bytes of one store against rows(end) (positions
+/// attention must see for cache indices [0, end)) and bytes(end) (their bytes in the store).
+template <class S, class Rows, class Bytes>
+void expect_reads(const char* what, const Model<float>& model, S& s, Rows rows, Bytes bytes) {
+  const Shape sh(model.config());
+  WorkCounters c;
+  const std::vector<std::uint64_t> ends = run_counted(model, s, 13, 9, 4, c);
+  std::uint64_t want_rows = 0, want_bytes = 0;
+  for (const std::uint64_t e : ends) {
+    want_rows += rows(e) * sh.L * sh.n_kv;
+    want_bytes += bytes(e);
+  }
+  EXPECT_EQ(s.rows, want_rows) << what;
+  EXPECT_FALSE(s.past_end) << what;
+  EXPECT_EQ(c.total().kv_bytes_read, want_bytes) << what;
+}
+
+TEST(CountersTest, KvBytesReadAreWhatEachStoreHoldsForTheAttendedPositions) {
+  const ModelConfig cfg = small_config(4, 2, 64);
+  const Shape sh(cfg);
+  const Model<float> model(random_weights<float>(cfg, 8));
+  const std::uint64_t f32_row = 2 * sh.L * sh.n_kv * sh.hs * sizeof(float);  // K and V
+  const auto all = [](std::uint64_t e) { return e; };
+
+  CountingStore<ContiguousStore<float>> contiguous(cfg);
+  expect_reads("contiguous", model, contiguous, all, [&](std::uint64_t e) { return e * f32_row; });
+
+  // int8: a code per element and an f32 scale per row.
+  CountingStore<Int8Store<float>> int8(cfg);
+  expect_reads("int8", model, int8, all,
+               [&](std::uint64_t e) { return e * 2 * sh.L * sh.n_kv * (sh.hs + sizeof(float)); });
+
+  // 4-bit, G = 8: full groups as codes (G·hs/2 bytes for each of K and V) with an f32
+  // (min, step) per key channel and per value row; the open group's rows in f32.
+  const std::uint64_t G = 8;
+  CountingStore<Q4Store<float>> q4(cfg, 0, G);
+  expect_reads("q4", model, q4, all, [&](std::uint64_t e) {
+    const std::uint64_t groups = e / G;
+    return groups * sh.L * sh.n_kv * (G * sh.hs + 8 * sh.hs + 8 * G) + (e - groups * G) * f32_row;
+  });
+
+  // A trained window of W = 6 with S = 2 sinks and a ring of W - 1 + 4 rows: the sinks and
+  // whatever of the ring holds its index, min(end, S + R) positions.
+  const WindowOptions wo{.window = 6, .sinks = 2, .max_chunk = 4};
+  CountingStore<WindowStore<float>> window(cfg, wo);
+  const std::uint64_t resident = wo.sinks + wo.window - 1 + wo.max_chunk;
+  const auto window_rows = [&](std::uint64_t e) { return std::min(e, resident); };
+  expect_reads("window", model, window, window_rows,
+               [&](std::uint64_t e) { return window_rows(e) * f32_row; });
+
+  // Paged blocks of 5: every position, read in place.
+  BlockPool<float> pool(cfg, 8, 5);
+  CountingStore<PagedStore<float>> paged(pool);
+  expect_reads("paged", model, paged, all, [&](std::uint64_t e) { return e * f32_row; });
 }
 
 }  // namespace

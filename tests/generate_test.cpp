@@ -243,7 +243,7 @@ TEST(GenerateTest, StreamingWindowTakesAPromptLongerThanItsWindow) {
                          .sinks = S,
                          .policy = WindowPolicy::kStreaming,
                          .max_chunk = 8,
-                         .max_positions = n_prompt + n};
+                         .capacity = n_prompt + n};
   {
     WindowStore<float> s(cfg, wo);
     Activations<float> act(cfg, 8, s.block_scratch_size());

@@ -1,9 +1,12 @@
-// MemoryPlanner: its byte counts equal what ContiguousStore reserves, its largest context for a
+// MemoryPlanner: its byte counts equal what every store kind reserves, its largest context for a
 // budget is the exact maximum, and it works at compile time.
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <functional>
 #include <limits>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "kvdecode/kvdecode.hpp"
@@ -34,7 +37,7 @@ std::vector<ModelConfig> configs() {
 template <class T>
 void expect_matches_store() {
   for (const ModelConfig& cfg : configs()) {
-    const MemoryPlanner<T> plan(cfg);
+    const MemoryPlanner<ContiguousStore<T>> plan(cfg);
     for (const std::size_t capacity :
          {std::size_t{1}, std::size_t{7}, std::size_t{16}, static_cast<std::size_t>(cfg.seq_len)}) {
       const ContiguousStore<T> store(cfg, capacity);
@@ -45,7 +48,9 @@ void expect_matches_store() {
     // Capacity 0 means seq_len in the store.
     EXPECT_EQ(plan.kv_bytes(static_cast<std::uint64_t>(cfg.seq_len)),
               ContiguousStore<T>(cfg).memory_bytes());
-    EXPECT_EQ(plan.bytes_per_position(), ContiguousStore<T>(cfg, 1).memory_bytes());
+    EXPECT_EQ(plan.bytes_per_position(),
+              static_cast<double>(ContiguousStore<T>(cfg, 1).memory_bytes()));
+    EXPECT_EQ(plan.fixed_bytes(), 0u);
   }
 }
 
@@ -54,64 +59,75 @@ TEST(MemoryPlannerTest, BytesEqualWhatContiguousStoreReserves) {
   expect_matches_store<double>();
 }
 
-/// Every layout the planner knows, with the parameters the stores below are built with.
-std::vector<StoreLayout> layouts() {
-  std::vector<StoreLayout> l = {{.kind = StoreKind::kContiguous}, {.kind = StoreKind::kInt8}};
-  for (const std::uint64_t g : {2u, 16u, 64u}) l.push_back({.kind = StoreKind::kQ4, .group = g});
-  for (const bool streaming : {false, true})
-    l.push_back({.kind = StoreKind::kWindow,
-                 .window = 5,
-                 .sinks = 2,
-                 .max_chunk = 3,
-                 .streaming = streaming});
-  for (const std::uint64_t bs : {1u, 5u, 16u})
-    l.push_back({.kind = StoreKind::kPaged, .block_size = bs});
-  return l;
+/// One store kind with the options it is built with: the planner's figures, and memory_bytes()
+/// of the store itself built for a capacity (a paged sequence holding `capacity` pending
+/// positions, on a pool large enough).
+struct Case {
+  std::string name;
+  bool grows = true;  ///< whether memory grows with the context (not for a window)
+  std::function<std::uint64_t(std::uint64_t, std::uint64_t)> kv_bytes;
+  std::function<std::uint64_t(std::uint64_t, std::uint64_t)> max_context;
+  std::function<std::uint64_t(std::size_t)> store_bytes;
+};
+
+template <class S, class Build>
+Case make_case(std::string name, const ModelConfig& cfg, typename S::Options options, Build build,
+               bool grows = true) {
+  const MemoryPlanner<S> plan(cfg, options);
+  return {std::move(name), grows,
+          [plan](std::uint64_t t, std::uint64_t b) { return plan.kv_bytes(t, b); },
+          [plan](std::uint64_t budget, std::uint64_t b) { return plan.max_context(budget, b); },
+          [cfg, build](std::size_t capacity) { return build(cfg, capacity); }};
 }
 
-/// memory_bytes() of the store the layout describes, built for `capacity` positions (a paged
-/// sequence holding `capacity` pending positions, on a pool large enough).
+/// Every store kind the library has, with a few option values each.
 template <class T>
-std::uint64_t store_bytes(const ModelConfig& cfg, const StoreLayout& l, std::size_t capacity) {
-  switch (l.kind) {
-    case StoreKind::kContiguous:
-      return ContiguousStore<T>(cfg, capacity).memory_bytes();
-    case StoreKind::kInt8:
-      return Int8Store<T>(cfg, capacity).memory_bytes();
-    case StoreKind::kQ4:
-      return Q4Store<T>(cfg, capacity, l.group).memory_bytes();
-    case StoreKind::kWindow:
-      return WindowStore<T>(cfg, {.window = l.window,
-                                  .sinks = l.sinks,
-                                  .policy = l.streaming ? WindowPolicy::kStreaming
-                                                        : WindowPolicy::kTrainedWindow,
-                                  .max_chunk = l.max_chunk,
-                                  .max_positions = capacity})
-          .memory_bytes();
-    case StoreKind::kPaged: {
-      BlockPool<T> pool(cfg, (capacity + l.block_size - 1) / l.block_size, l.block_size,
-                        {.max_seq_len = capacity});
-      PagedStore<T> seq(pool);
-      const std::vector<std::int32_t> tokens(capacity, 1);
-      seq.begin_append(tokens);  // takes every block the positions need
-      const std::uint64_t bytes = seq.memory_bytes();
-      seq.cancel_append();
-      return bytes;
-    }
+std::vector<Case> cases(const ModelConfig& cfg) {
+  std::vector<Case> c;
+  c.push_back(make_case<ContiguousStore<T>>("contiguous", cfg, {}, [](auto& m, std::size_t n) {
+    return ContiguousStore<T>(m, n).memory_bytes();
+  }));
+  c.push_back(make_case<Int8Store<T>>(
+      "int8", cfg, {}, [](auto& m, std::size_t n) { return Int8Store<T>(m, n).memory_bytes(); }));
+  for (const std::size_t g : {2u, 16u, 64u})
+    c.push_back(make_case<Q4Store<T>>(
+        "q4 group " + std::to_string(g), cfg, {.group = g},
+        [g](auto& m, std::size_t n) { return Q4Store<T>(m, n, g).memory_bytes(); }));
+  for (const auto policy : {WindowPolicy::kTrainedWindow, WindowPolicy::kStreaming}) {
+    const WindowOptions o{.window = 5, .sinks = 2, .policy = policy, .max_chunk = 3};
+    c.push_back(make_case<WindowStore<T>>(
+        policy == WindowPolicy::kStreaming ? "window streaming" : "window trained", cfg, o,
+        [o](auto& m, std::size_t n) {
+          WindowOptions with = o;
+          with.capacity = n;
+          return WindowStore<T>(m, with).memory_bytes();
+        },
+        false));
   }
-  return 0;
+  for (const std::size_t bs : {1u, 5u, 16u})
+    c.push_back(make_case<PagedStore<T>>(
+        "paged block " + std::to_string(bs), cfg, {.block_size = bs},
+        [bs](auto& m, std::size_t n) -> std::uint64_t {
+          BlockPool<T> pool(m, (n + bs - 1) / bs, bs, {.max_seq_len = n});
+          PagedStore<T> seq(pool);
+          const std::vector<std::int32_t> tokens(n, 1);
+          seq.begin_append(tokens);  // takes every block the positions need
+          const std::uint64_t bytes = seq.memory_bytes();
+          seq.cancel_append();
+          return bytes;
+        }));
+  return c;
 }
 
 template <class T>
 void expect_every_store_matches() {
   for (const ModelConfig& cfg : configs()) {
-    for (const StoreLayout& l : layouts()) {
-      const MemoryPlanner<T> plan(cfg, l);
+    for (const Case& c : cases<T>(cfg)) {
       for (const std::size_t capacity : {1u, 7u, 16u, 63u, 64u, 65u, 130u}) {
-        EXPECT_EQ(plan.kv_bytes(capacity), store_bytes<T>(cfg, l, capacity))
-            << "kind " << static_cast<int>(l.kind) << " heads " << cfg.n_heads << "/"
-            << cfg.n_kv_heads << " head_size " << cfg.head_size() << " capacity " << capacity;
-        EXPECT_EQ(plan.kv_bytes(capacity, 3), 3 * plan.kv_bytes(capacity));
+        EXPECT_EQ(c.kv_bytes(capacity, 1), c.store_bytes(capacity))
+            << c.name << " heads " << cfg.n_heads << "/" << cfg.n_kv_heads << " head_size "
+            << cfg.head_size() << " capacity " << capacity;
+        EXPECT_EQ(c.kv_bytes(capacity, 3), 3 * c.kv_bytes(capacity, 1));
       }
     }
   }
@@ -127,32 +143,43 @@ TEST(MemoryPlannerTest, BytesEqualWhatEveryStoreKindReserves) {
 TEST(MemoryPlannerTest, Int8CacheIsAtMost27PercentOfF32FromHeadSize64) {
   for (const std::int64_t hs : {64, 96, 128, 256}) {
     const ModelConfig cfg = shape(4 * hs, 2, 4, 2, 64);
-    const MemoryPlanner<float> f32(cfg), i8(cfg, {.kind = StoreKind::kInt8});
-    const double ratio = static_cast<double>(i8.bytes_per_position()) /
-                         static_cast<double>(f32.bytes_per_position());
+    const MemoryPlanner<ContiguousStore<float>> f32(cfg);
+    const MemoryPlanner<Int8Store<float>> i8(cfg);
+    const double ratio = i8.bytes_per_position() / f32.bytes_per_position();
     EXPECT_DOUBLE_EQ(ratio, 0.25 + 1.0 / static_cast<double>(hs)) << "head_size " << hs;
     EXPECT_LE(ratio, 0.27) << "head_size " << hs;
+  }
+}
+
+// The 4-bit store's fixed part is its staging of one group and the cancel copy of it, in T:
+// 4 × n_layers × n_kv_heads × G × head_size × sizeof(T), whatever the context.
+TEST(MemoryPlannerTest, Q4FixedBytesAreTheStagingOfOneGroup) {
+  for (const ModelConfig& cfg : configs()) {
+    for (const std::size_t g : {16u, 64u}) {
+      const MemoryPlanner<Q4Store<float>> plan(cfg, {.group = g});
+      EXPECT_EQ(plan.fixed_bytes(), 4u * static_cast<std::uint64_t>(cfg.n_layers * cfg.n_kv_heads) *
+                                        g * static_cast<std::uint64_t>(cfg.head_size()) * 4u);
+    }
   }
 }
 
 TEST(MemoryPlannerTest, MaxContextIsTheLargestThatFitsForEveryStoreKind) {
   constexpr std::uint64_t kUnbounded = std::numeric_limits<std::uint64_t>::max();
   for (const ModelConfig& cfg : configs()) {
-    for (const StoreLayout& l : layouts()) {
-      const MemoryPlanner<float> plan(cfg, l);
+    for (const Case& c : cases<float>(cfg)) {
       for (const std::uint64_t batch : {1u, 3u}) {
         for (const std::uint64_t budget :
-             {std::uint64_t{0}, plan.kv_bytes(1, batch) - 1, plan.kv_bytes(1, batch),
-              plan.kv_bytes(100, batch) + 17, std::uint64_t{1} << 24}) {
-          const std::uint64_t t = plan.max_context(budget, batch);
+             {std::uint64_t{0}, c.kv_bytes(1, batch) - 1, c.kv_bytes(1, batch),
+              c.kv_bytes(100, batch) + 17, std::uint64_t{1} << 24}) {
+          const std::uint64_t t = c.max_context(budget, batch);
           if (t == kUnbounded) {  // a window's memory does not grow with the context
-            EXPECT_EQ(l.kind, StoreKind::kWindow);
-            EXPECT_LE(plan.kv_bytes(1 << 20, batch), budget);
+            EXPECT_FALSE(c.grows) << c.name;
+            EXPECT_LE(c.kv_bytes(1 << 20, batch), budget);
             continue;
           }
-          if (t > 0) EXPECT_LE(plan.kv_bytes(t, batch), budget) << "budget " << budget;
-          EXPECT_GT(plan.kv_bytes(t + 1, batch), budget)
-              << "kind " << static_cast<int>(l.kind) << " budget " << budget << " batch " << batch;
+          if (t > 0) EXPECT_LE(c.kv_bytes(t, batch), budget) << "budget " << budget;
+          EXPECT_GT(c.kv_bytes(t + 1, batch), budget)
+              << c.name << " budget " << budget << " batch " << batch;
         }
       }
     }
@@ -161,8 +188,8 @@ TEST(MemoryPlannerTest, MaxContextIsTheLargestThatFitsForEveryStoreKind) {
 
 TEST(MemoryPlannerTest, MaxContextIsTheLargestThatFits) {
   for (const ModelConfig& cfg : configs()) {
-    const MemoryPlanner<float> plan(cfg);
-    const std::uint64_t per = plan.bytes_per_position();
+    const MemoryPlanner<ContiguousStore<float>> plan(cfg);
+    const auto per = static_cast<std::uint64_t>(plan.bytes_per_position());
     for (const std::uint64_t batch : {1u, 2u, 5u}) {
       for (const std::uint64_t budget :
            {std::uint64_t{0}, per - 1, per, per * batch, per * batch + 1, std::uint64_t{1} << 20,
@@ -176,9 +203,9 @@ TEST(MemoryPlannerTest, MaxContextIsTheLargestThatFits) {
 }
 
 TEST(MemoryPlannerTest, SharedKvHeadsShrinkTheCacheByTheGroupSize) {
-  const MemoryPlanner<float> mha(shape(256, 4, 8, 8, 64));
-  const MemoryPlanner<float> gqa(shape(256, 4, 8, 2, 64));
-  const MemoryPlanner<float> mqa(shape(256, 4, 8, 1, 64));
+  const MemoryPlanner<ContiguousStore<float>> mha(shape(256, 4, 8, 8, 64));
+  const MemoryPlanner<ContiguousStore<float>> gqa(shape(256, 4, 8, 2, 64));
+  const MemoryPlanner<ContiguousStore<float>> mqa(shape(256, 4, 8, 1, 64));
   EXPECT_EQ(mha.kv_bytes(1000), 4 * gqa.kv_bytes(1000));
   EXPECT_EQ(mha.kv_bytes(1000), 8 * mqa.kv_bytes(1000));
 }
@@ -207,7 +234,7 @@ TEST(MemoryPlannerTest, WorksAtCompileTime) {
     c.seq_len = 2048;
     return c;
   }();
-  constexpr MemoryPlanner<float> plan(cfg);
+  constexpr MemoryPlanner<ContiguousStore<float>> plan(cfg);
   static_assert(plan.bytes_per_position() == 13824);
   static_assert(plan.kv_bytes(2048, 4) == 4ull * 2048 * 13824);
   static_assert(plan.max_context(std::uint64_t{1} << 30) == (std::uint64_t{1} << 30) / 13824);
@@ -216,13 +243,13 @@ TEST(MemoryPlannerTest, WorksAtCompileTime) {
 }
 
 TEST(MemoryPlannerTest, RejectsBadInputsWithErrors) {
-  const MemoryPlanner<float> plan(shape(64, 2, 4, 2, 64));
+  const MemoryPlanner<ContiguousStore<float>> plan(shape(64, 2, 4, 2, 64));
   EXPECT_THROW(plan.max_context(1000, 0), Error);
   EXPECT_THROW(plan.kv_bytes(std::numeric_limits<std::uint64_t>::max() / 2, 2), Error);
   ModelConfig bad = shape(64, 2, 4, 2, 64);
   bad.n_kv_heads = 0;
   try {
-    const MemoryPlanner<float> p(bad);
+    const MemoryPlanner<ContiguousStore<float>> p(bad);
     FAIL() << "expected an Error";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("n_kv_heads must be positive, got 0"), std::string::npos)

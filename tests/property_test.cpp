@@ -90,7 +90,7 @@ struct PropertyStore<WindowStore<T>> {
   };
   static std::unique_ptr<Holder> make(const ModelConfig& cfg, std::size_t capacity) {
     return std::make_unique<Holder>(Holder{WindowStore<T>(
-        cfg, {.window = kWindow, .max_chunk = kMaxChunk, .max_positions = capacity})});
+        cfg, {.window = kWindow, .max_chunk = kMaxChunk, .capacity = capacity})});
   }
   static constexpr double kTolerance = kExactTolerance<T>;
   /// Onto a non-empty ring an append may bring at most max_chunk positions (a cancel must be

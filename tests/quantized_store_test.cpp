@@ -275,7 +275,7 @@ TEST(QuantizedMemoryTest, MemoryBytesFollowTheFormula) {
       // int8: codes + one f32 scale per (layer, kv head, position), keys and values.
       const Int8Store<float> i8(cfg, capacity);
       EXPECT_EQ(i8.memory_bytes(), 2 * L * kv * capacity * (h + 4));
-      EXPECT_EQ(i8.memory_bytes(), capacity * Int8Store<float>::bytes_per_token(cfg));
+      EXPECT_EQ(i8.memory_bytes(), Int8Store<float>::memory_bytes_for(cfg, {capacity}));
       // 4-bit: per full group of G positions, codes (G·h/2 per K and V), an f32 (min, step)
       // per key channel and per value row; plus the f32 staging area and its cancel copy.
       for (const std::size_t G : {32u, 64u}) {
@@ -285,7 +285,9 @@ TEST(QuantizedMemoryTest, MemoryBytesFollowTheFormula) {
         const std::size_t residual = 4 * G * h * sizeof(float);
         EXPECT_EQ(q4.memory_bytes(), L * kv * (groups * per_group + residual));
         EXPECT_EQ(q4.residual_bytes(), L * kv * residual);
-        EXPECT_DOUBLE_EQ(Q4Store<float>::bytes_per_token(cfg, G) * static_cast<double>(G),
+        EXPECT_EQ(q4.memory_bytes(), Q4Store<float>::memory_bytes_for(cfg, {capacity, G}));
+        EXPECT_DOUBLE_EQ(MemoryPlanner<Q4Store<float>>(cfg, {.group = G}).bytes_per_position() *
+                             static_cast<double>(G),
                          static_cast<double>(L * kv * per_group));
       }
     }
@@ -300,14 +302,16 @@ TEST(QuantizedMemoryTest, BytesPerTokenWithinTheBudgets) {
   for (const std::int64_t hs : {64, 128}) {
     const ModelConfig cfg = llama_shape(hs);
     const double f32 = static_cast<double>(2 * cfg.n_layers * cfg.kv_dim() * 4);
-    EXPECT_LE(static_cast<double>(Int8Store<float>::bytes_per_token(cfg)) / f32, 0.27) << hs;
+    EXPECT_LE(MemoryPlanner<Int8Store<float>>(cfg).bytes_per_position() / f32, 0.27) << hs;
   }
   const ModelConfig c128 = llama_shape(128), c64 = llama_shape(64);
   const auto f32 = [](const ModelConfig& c) {
     return static_cast<double>(2 * c.n_layers * c.kv_dim() * 4);
   };
-  EXPECT_LE(Q4Store<float>::bytes_per_token(c128, 64) / f32(c128), 0.15);
-  EXPECT_LE(Q4Store<float>::bytes_per_token(c64, 128) / f32(c64), 0.15);
+  EXPECT_LE(MemoryPlanner<Q4Store<float>>(c128, {.group = 64}).bytes_per_position() / f32(c128),
+            0.15);
+  EXPECT_LE(MemoryPlanner<Q4Store<float>>(c64, {.group = 128}).bytes_per_position() / f32(c64),
+            0.15);
   // Whole caches at seq_len, the fixed residual included.
   const ContiguousStore<float> full(c128);
   EXPECT_LE(static_cast<double>(Int8Store<float>(c128).memory_bytes()) /

@@ -31,7 +31,7 @@ struct StoreTraits<WindowStore<T>> {
   };
   static std::unique_ptr<Holder> make(const ModelConfig& cfg, std::size_t capacity) {
     return std::make_unique<Holder>(Holder{WindowStore<T>(
-        cfg, {.window = capacity, .sinks = 0, .max_chunk = 16, .max_positions = capacity})});
+        cfg, {.window = capacity, .sinks = 0, .max_chunk = 16, .capacity = capacity})});
   }
   static constexpr bool kExactRows = true;
   static constexpr double kRowTolerance = 0;
@@ -50,7 +50,7 @@ struct StoreTraits<StreamingWindowStore<T>> {
                                              .sinks = 4,
                                              .policy = WindowPolicy::kStreaming,
                                              .max_chunk = 16,
-                                             .max_positions = capacity})});
+                                             .capacity = capacity})});
   }
   static constexpr bool kExactRows = true;
   static constexpr double kRowTolerance = 0;
@@ -82,7 +82,7 @@ void run_trained_window(const Model<T>& model, std::span<const std::int32_t> tok
   const ModelConfig& cfg = model.config();
   const auto vocab = static_cast<std::size_t>(cfg.vocab_size);
   const std::vector<T> ref = forward_reference(model.weights(), tokens, window);
-  WindowStore<T> s(cfg, {.window = window, .max_chunk = chunk, .max_positions = tokens.size()});
+  WindowStore<T> s(cfg, {.window = window, .max_chunk = chunk, .capacity = tokens.size()});
   Activations<T> act(cfg, chunk, s.block_scratch_size());
   const std::string what = "W=" + std::to_string(window) + " chunk=" + std::to_string(chunk);
   std::vector<T> logits(chunk * vocab);
@@ -131,7 +131,7 @@ TEST(WindowStoreTest, OneLongPrefillInChunksOfMaxChunk) {
   const auto tokens = random_tokens(50, cfg.vocab_size, 4);
   const auto vocab = static_cast<std::size_t>(cfg.vocab_size);
   const std::vector<float> ref = forward_reference(model.weights(), tokens, 8);
-  WindowStore<float> s(cfg, {.window = 8, .max_chunk = 6, .max_positions = 64});
+  WindowStore<float> s(cfg, {.window = 8, .max_chunk = 6, .capacity = 64});
   Activations<float> act(cfg, 6, 0);
   std::vector<float> all(tokens.size() * vocab);
   model.prefill(tokens, s, act, all);
@@ -149,7 +149,7 @@ TEST(WindowStoreTest, CancelAndRollbackAfterEviction) {
   const auto tokens = random_tokens(40, cfg.vocab_size, 5);
   const auto vocab = static_cast<std::size_t>(cfg.vocab_size);
   const std::vector<float> ref = forward_reference(model.weights(), tokens, 6);
-  WindowStore<float> s(cfg, {.window = 6, .max_chunk = 4, .max_positions = 64});
+  WindowStore<float> s(cfg, {.window = 6, .max_chunk = 4, .capacity = 64});
   Activations<float> act(cfg, 4, 0);
   const std::span<const std::int32_t> t(tokens);
   for (std::size_t p = 0; p < 24; p += 4) model.prefill(t.subspan(p, 4), s, act);
@@ -198,7 +198,7 @@ TEST(WindowStoreTest, StreamingPositionsMatchAFreshForwardOverTheKeptTokens) {
                                .sinks = S,
                                .policy = WindowPolicy::kStreaming,
                                .max_chunk = 8,
-                               .max_positions = n});
+                               .capacity = n});
     Activations<float> act(cfg, 8, s.block_scratch_size());
     const std::size_t bytes = s.memory_bytes();
     model.prefill(std::span<const std::int32_t>(tokens).first(8), s, act);
@@ -228,7 +228,7 @@ TEST(WindowStoreTest, StreamingLayerZeroKeysEqualAFreshCacheOfTheKeptTokens) {
                               .sinks = S,
                               .policy = WindowPolicy::kStreaming,
                               .max_chunk = 1,
-                              .max_positions = n});
+                              .capacity = n});
   Activations<double> act(cfg, 1, s.block_scratch_size());
   for (std::size_t q = 0; q < n; ++q) {
     (void)model.decode(tokens[q], s, act);
@@ -255,7 +255,7 @@ TEST(WindowStoreTest, MaxAppendIsExactlyWhatBeginAppendAccepts) {
   const std::vector<float> row(static_cast<std::size_t>(cfg.kv_dim()), 0.5f);
   for (const WindowPolicy policy : {WindowPolicy::kTrainedWindow, WindowPolicy::kStreaming}) {
     WindowStore<float> s(
-        cfg, {.window = 6, .sinks = 2, .policy = policy, .max_chunk = 3, .max_positions = 60});
+        cfg, {.window = 6, .sinks = 2, .policy = policy, .max_chunk = 3, .capacity = 60});
     detail::SplitMix64 rng(17);
     std::size_t appends = 0;
     while (s.size() < s.capacity()) {
@@ -281,7 +281,7 @@ TEST(WindowStoreTest, StreamingRefusesChunksPastAFullCacheAndBadOptions) {
                              .sinks = 2,
                              .policy = WindowPolicy::kStreaming,
                              .max_chunk = 8,
-                             .max_positions = 100});
+                             .capacity = 100});
   EXPECT_THROW(s.begin_append(test_tokens(0, 9)), Error);  // 9 > S + W
   s.begin_append(test_tokens(0, 8));                       // = S + W: nothing evicted yet
   s.cancel_append();

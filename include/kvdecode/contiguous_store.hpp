@@ -8,6 +8,7 @@
 #include <span>
 
 #include "kvdecode/aligned_buffer.hpp"
+#include "kvdecode/detail/store_sizes.hpp"
 #include "kvdecode/error.hpp"
 #include "kvdecode/kv_store.hpp"
 #include "kvdecode/model_config.hpp"
@@ -27,7 +28,19 @@ class ContiguousStore {
  public:
   using Scalar = T;
 
+  struct Options {
+    std::size_t capacity = 0;  ///< positions it holds; 0 means cfg.seq_len
+  };
+
+  /// 2 × n_layers × n_kv_heads × capacity × head_size × sizeof(T): all of it reserved up front.
+  static constexpr std::uint64_t memory_bytes_for(const ModelConfig& cfg, const Options& o) {
+    return detail::sat_mul({detail::capacity_or_seq_len(o.capacity, cfg),
+                            detail::KvDims::of(cfg).row_bytes(sizeof(T))});
+  }
+
   ContiguousStore() = default;
+  ContiguousStore(const ModelConfig& cfg, const Options& options)
+      : ContiguousStore(cfg, options.capacity) {}
   /// A cache for `capacity` positions of the model `cfg`; capacity 0 means cfg.seq_len.
   explicit ContiguousStore(const ModelConfig& cfg, std::size_t capacity = 0)
       : n_layers_(static_cast<std::size_t>(cfg.n_layers)),
@@ -46,8 +59,15 @@ class ContiguousStore {
   std::size_t n_layers() const { return n_layers_; }
   std::size_t n_kv_heads() const { return n_kv_heads_; }
   std::size_t head_size() const { return head_size_; }
-  /// 2 × n_layers × capacity × n_kv_heads × head_size × sizeof(T): all of it is reserved up front.
   std::size_t memory_bytes() const { return keys_.bytes() + values_.bytes(); }
+  Options options() const { return {capacity_}; }
+  std::size_t max_append() const { return capacity_ - size_; }
+  /// Every row of [0, end), read in place.
+  std::uint64_t read_bytes(std::size_t end) const {
+    return 2 * end * n_layers_ * n_kv_heads_ * head_size_ * sizeof(T);
+  }
+  /// Dropped rows are only overwritten by later appends, so any rollback is exact.
+  std::size_t max_exact_rollback() const { return size_; }
   std::size_t rope_position(std::size_t index) const { return index; }
   std::size_t block_scratch_size() const { return 0; }
 

@@ -15,6 +15,7 @@
 #endif
 
 #include "kvdecode/aligned_buffer.hpp"
+#include "kvdecode/detail/store_sizes.hpp"
 #include "kvdecode/error.hpp"
 #include "kvdecode/kv_store.hpp"
 #include "kvdecode/model_config.hpp"
@@ -46,14 +47,20 @@ class Int8Store {
   static constexpr std::size_t kBlockRows = 64;
   static constexpr float kLevels = 127.0f;
 
-  /// Bytes one position costs in every layer and kv head, scales included:
-  /// 2 × n_layers × n_kv_heads × (head_size + sizeof(float)).
-  static std::size_t bytes_per_token(const ModelConfig& cfg) {
-    return 2 * static_cast<std::size_t>(cfg.n_layers) * static_cast<std::size_t>(cfg.n_kv_heads) *
-           (static_cast<std::size_t>(cfg.head_size()) * sizeof(std::int8_t) + sizeof(float));
+  struct Options {
+    std::size_t capacity = 0;  ///< positions it holds; 0 means cfg.seq_len
+  };
+
+  /// capacity × 2 × n_layers × n_kv_heads × (head_size + sizeof(float)): an int8 code per
+  /// element and an f32 scale per row of K and of V, all reserved up front.
+  static constexpr std::uint64_t memory_bytes_for(const ModelConfig& cfg, const Options& o) {
+    const detail::KvDims d = detail::KvDims::of(cfg);
+    return detail::sat_mul({detail::capacity_or_seq_len(o.capacity, cfg), 2, d.heads(),
+                            d.head_size * sizeof(std::int8_t) + sizeof(float)});
   }
 
   Int8Store() = default;
+  Int8Store(const ModelConfig& cfg, const Options& options) : Int8Store(cfg, options.capacity) {}
   /// A cache for `capacity` positions of the model `cfg`; capacity 0 means cfg.seq_len.
   explicit Int8Store(const ModelConfig& cfg, std::size_t capacity = 0)
       : n_layers_(static_cast<std::size_t>(cfg.n_layers)),
@@ -74,10 +81,17 @@ class Int8Store {
   std::size_t n_layers() const { return n_layers_; }
   std::size_t n_kv_heads() const { return n_kv_heads_; }
   std::size_t head_size() const { return head_size_; }
-  /// capacity × bytes_per_token(cfg): all of it is reserved up front.
   std::size_t memory_bytes() const {
     return keys_.bytes() + values_.bytes() + key_scales_.bytes() + value_scales_.bytes();
   }
+  Options options() const { return {capacity_}; }
+  std::size_t max_append() const { return capacity_ - size_; }
+  /// Codes and scales of every row of [0, end).
+  std::uint64_t read_bytes(std::size_t end) const {
+    return 2 * end * n_layers_ * n_kv_heads_ * (head_size_ * sizeof(std::int8_t) + sizeof(float));
+  }
+  /// Rows are quantized on their own, so dropping the newest ones changes no other row.
+  std::size_t max_exact_rollback() const { return size_; }
   std::size_t rope_position(std::size_t index) const { return index; }
   /// Keys and values of kBlockRows rows: [2][kBlockRows][head_size].
   std::size_t block_scratch_size() const { return 2 * kBlockRows * head_size_; }
@@ -139,6 +153,20 @@ class Int8Store {
       dequantize(values_.data() + (base + r0) * head_size_, value_scales_.data() + base + r0, n,
                  vs);
       sink(KvBlock<T>{ks, vs, head_size_, r0, n});
+    }
+  }
+
+  /// Cache indices [0, end) of one (layer, kv head) as stored: kBlockRows rows of codes and
+  /// scales per sink call, pointers into the store (CodedKvStore).
+  template <class Sink>
+  void for_each_coded_block(std::size_t layer, std::size_t kv_head, std::size_t end,
+                            Sink&& sink) const {
+    const std::size_t base = (layer * n_kv_heads_ + kv_head) * capacity_;
+    for (std::size_t r0 = 0; r0 < end; r0 += kBlockRows) {
+      const std::size_t n = std::min(kBlockRows, end - r0);
+      sink(Int8KvBlock{keys_.data() + (base + r0) * head_size_,
+                       values_.data() + (base + r0) * head_size_, key_scales_.data() + base + r0,
+                       value_scales_.data() + base + r0, r0, n});
     }
   }
 

@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <span>
 
+#include "kvdecode/model_config.hpp"
+
 namespace kvdecode {
 
 /// A run of cached keys and values of one (layer, kv head), as attention reads them. Rows are
@@ -41,15 +43,34 @@ struct KvBlockSinkArchetype {
 ///
 /// A cache index is a token's index in the sequence the store holds (0 = first token). The store
 /// says which RoPE position a cache index is rotated by, and it may hide keys from a query
-/// beyond the causal mask (a sliding window) through an optional `masks(q, k)` member. A store
-/// that accepts fewer positions per append than its free capacity says how many through an
-/// optional `max_append()` member (generate() then feeds longer inputs in pieces).
+/// beyond the causal mask (a sliding window) through an optional `masks(q, k)` member.
+///
+/// A store describes itself once, and every consumer (MemoryPlanner, WorkCounters, the cache
+/// file, the generator, the benchmarks) reads that description instead of recognising the type:
+/// - `Options`: what it is built from besides the config (capacity 0 = cfg.seq_len);
+///   `S::memory_bytes_for(cfg, options)` is exactly the memory_bytes() of a store built so,
+///   every buffer it owns (its token-id list aside), saturating at 2^64 - 1; `options()` gives
+///   them back.
+/// - `max_append()`: the most positions one begin_append accepts now (generate() feeds longer
+///   inputs in pieces).
+/// - `read_bytes(end)`: the bytes attention reads from the store, all layers and kv heads, to
+///   attend to cache indices [0, end) once the rows up to end are written: what it really
+///   streams (codes and scales of a quantized store, only the resident rows of a window).
+/// - `max_exact_rollback()`: how many of the newest committed positions truncate() removes
+///   leaving the store exactly as if they had never been appended.
 template <class S>
 concept KvStore = requires(S& s, const S& cs, std::size_t i, const typename S::Scalar* row,
                            std::span<const std::int32_t> tokens,
                            std::span<typename S::Scalar> scratch,
-                           detail::KvBlockSinkArchetype<typename S::Scalar> sink) {
+                           detail::KvBlockSinkArchetype<typename S::Scalar> sink,
+                           const ModelConfig& cfg, const typename S::Options& options) {
   typename S::Scalar;
+  typename S::Options;
+  { S::memory_bytes_for(cfg, options) } -> std::same_as<std::uint64_t>;
+  { cs.options() } -> std::same_as<typename S::Options>;
+  { cs.max_append() } -> std::same_as<std::size_t>;
+  { cs.read_bytes(i) } -> std::same_as<std::uint64_t>;
+  { cs.max_exact_rollback() } -> std::same_as<std::size_t>;
   { cs.size() } -> std::same_as<std::size_t>;      // committed positions
   { cs.pending() } -> std::same_as<std::size_t>;   // positions begun, not yet committed
   { cs.capacity() } -> std::same_as<std::size_t>;  // most positions it can hold
@@ -71,6 +92,41 @@ concept KvStore = requires(S& s, const S& cs, std::size_t i, const typename S::S
   // (layer, kv head, end cache index, scratch, sink): calls sink for blocks covering the
   // cache indices [0, end) that are resident, in increasing cache-index order.
   cs.for_each_block(i, i, i, scratch, sink);
+};
+
+/// A block of int8 rows as Int8Store keeps them: x̂ = code · scale, one scale per row.
+struct Int8KvBlock {
+  const std::int8_t* keys = nullptr;    // [n][head_size] codes
+  const std::int8_t* values = nullptr;  // [n][head_size] codes
+  const float* key_scales = nullptr;    // [n] step of each key row
+  const float* value_scales = nullptr;  // [n] step of each value row
+  std::size_t first = 0;
+  std::size_t n = 0;
+};
+
+/// A block of 4-bit codes as Q4Store keeps a full key group: two codes a byte (the even channel
+/// in the low nibble), x̂ = min + code · step; keys with a (min, step) per channel of the
+/// group, values with a (min, step) per row.
+struct Q4KvBlock {
+  const std::uint8_t* keys = nullptr;    // [n][head_size / 2]
+  const std::uint8_t* values = nullptr;  // [n][head_size / 2]
+  const float* key_min = nullptr;        // [head_size]
+  const float* key_step = nullptr;       // [head_size]
+  const float* value_min = nullptr;      // [n]
+  const float* value_step = nullptr;     // [n]
+  std::size_t first = 0;
+  std::size_t n = 0;
+};
+
+/// A store that can hand attention its rows as stored, without decoding them into scratch:
+/// for_each_coded_block calls sink with blocks of its own representation (an Int8KvBlock, a
+/// Q4KvBlock) and, for rows it keeps in full precision, KvBlock<Scalar>, in increasing
+/// cache-index order over the same indices for_each_block covers. What it hands decodes to
+/// exactly the rows for_each_block gives (tested), so an attention kernel on codes computes
+/// the same scores.
+template <class S, class Sink>
+concept CodedKvStore = KvStore<S> && requires(const S& cs, std::size_t i, Sink sink) {
+  cs.for_each_coded_block(i, i, i, sink);
 };
 
 /// A store with an extra mask beyond causality (a sliding window): attention asks

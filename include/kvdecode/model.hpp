@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <initializer_list>
+#include <iterator>
 #include <span>
 #include <type_traits>
 #include <utility>
@@ -26,6 +27,12 @@
 #include "kvdecode/weights.hpp"
 
 namespace kvdecode {
+
+/// The store type of a contiguous range of store pointers (std::vector<S*>, std::array<S*, N>,
+/// std::span<S* const>, a C array): what decode_batch / prefill_batch take.
+template <class Stores>
+using StoreOf =
+    std::remove_pointer_t<std::remove_cvref_t<decltype(*std::data(std::declval<const Stores&>()))>>;
 
 /// The data path, top to bottom: token ids → embedding rows → n_layers × (RMSNorm → q/k/v →
 /// RoPE → append K/V to the store → attention over the store → wo → residual → RMSNorm → SwiGLU
@@ -64,7 +71,8 @@ class Model {
   /// Throws Error (leaving cache and act as they were) for a bad token or a full cache.
   template <KvStore S>
   std::span<const T> decode(std::int32_t token, S& cache, Activations<T>& act) const {
-    return run(std::span<const std::int32_t>(&token, 1), cache, act, {}, true);
+    S* const one[1] = {&cache};
+    return run<S>({&token, 1}, {}, one, act, {}, Phase::kDecode);
   }
 
   /// Runs tokens after what the cache already holds (a prompt, a chunk of one, or a new turn),
@@ -74,7 +82,8 @@ class Model {
   template <KvStore S>
   std::span<const T> prefill(std::span<const std::int32_t> tokens, S& cache, Activations<T>& act,
                              std::span<T> all_logits = {}) const {
-    return run(tokens, cache, act, all_logits, false);
+    S* const one[1] = {&cache};
+    return run<S>(tokens, {}, one, act, all_logits, Phase::kPrefill);
   }
 
   /// One decode step of B = stores.size() sequences: token b runs at the next cache index of
@@ -83,14 +92,16 @@ class Model {
   /// position. Returns the logits [B][vocab_size] (a view into act.batch_logits). Needs
   /// B ≤ act.max_batch; allocates nothing. Transactional: if any check or any store's
   /// begin_append throws (a full store, an exhausted pool, a bad token), the appends already
-  /// begun are cancelled and every store is left as it was.
+  /// begun are cancelled and every store is left as it was. `stores` is any contiguous range
+  /// of store pointers (a std::vector, a std::array, a span).
   /// For B = 1 the arithmetic is decode()'s, so the logits are the same bit for bit.
-  template <KvStore S>
-  std::span<const T> decode_batch(std::span<const std::int32_t> tokens, std::span<S* const> stores,
+  template <class Stores, KvStore S = StoreOf<Stores>>
+  std::span<const T> decode_batch(std::span<const std::int32_t> tokens, const Stores& stores,
                                   Activations<T>& act) const {
-    KVDECODE_CHECK(tokens.size() == stores.size(), "Model::decode_batch: ", tokens.size(),
-                   " tokens for ", stores.size(), " sequences, expected one per sequence");
-    return run_batch(tokens, {}, stores, act, true);
+    const std::span<S* const> ptrs(std::data(stores), std::size(stores));
+    KVDECODE_CHECK(tokens.size() == ptrs.size(), "Model::decode_batch: ", tokens.size(),
+                   " tokens for ", ptrs.size(), " sequences, expected one per sequence");
+    return run<S>(tokens, {}, ptrs, act, {}, Phase::kDecode, true);
   }
 
   /// Prefill of B = stores.size() prompts (or continuations) at once: sequence b's tokens are
@@ -98,13 +109,14 @@ class Model {
   /// holds. Inputs longer than act.max_tokens run in chunks of act.max_tokens tokens across
   /// sequence boundaries; each chunk reads every weight matrix once. Returns the logits of each
   /// prompt's last token, [B][vocab_size] in act.batch_logits. Transactional as decode_batch.
-  template <KvStore S>
+  template <class Stores, KvStore S = StoreOf<Stores>>
   std::span<const T> prefill_batch(std::span<const std::int32_t> tokens,
-                                   std::span<const std::size_t> lengths, std::span<S* const> stores,
+                                   std::span<const std::size_t> lengths, const Stores& stores,
                                    Activations<T>& act) const {
-    KVDECODE_CHECK(lengths.size() == stores.size(), "Model::prefill_batch: ", lengths.size(),
-                   " lengths for ", stores.size(), " sequences");
-    return run_batch(tokens, lengths, stores, act, false);
+    const std::span<S* const> ptrs(std::data(stores), std::size(stores));
+    KVDECODE_CHECK(lengths.size() == ptrs.size(), "Model::prefill_batch: ", lengths.size(),
+                   " lengths for ", ptrs.size(), " sequences");
+    return run<S>(tokens, lengths, ptrs, act, {}, Phase::kPrefill, true);
   }
 
   /// The no-cache oracle: logits [tokens.size()][vocab_size] of every position, computed by the
@@ -145,68 +157,39 @@ class Model {
                    "; pass the pool to the Activations constructor");
   }
 
-  template <KvStore S>
-  std::span<const T> run(std::span<const std::int32_t> tokens, S& cache, Activations<T>& act,
-                         std::span<T> all_logits, bool is_decode) const {
-    const ModelConfig& cfg = w_.config;
-    const auto vocab = static_cast<std::size_t>(cfg.vocab_size);
-    check_tokens_and_act(tokens, act);
-    KVDECODE_CHECK(all_logits.empty() || all_logits.size() == tokens.size() * vocab,
-                   "Model::prefill: all_logits holds ", all_logits.size(), " values, expected ",
-                   tokens.size(), " × ", vocab, " = ", tokens.size() * vocab);
-    check_store(cache);
+  enum class Phase { kPrefill, kDecode };
 
-    S* const store[1] = {&cache};
-    cache.begin_append(tokens);  // throws, changing nothing, when the cache is full
-    try {
-      for (std::size_t done = 0; done < tokens.size();) {
-        const std::size_t n = std::min(act.max_tokens, tokens.size() - done);
-        const bool last_chunk = done + n == tokens.size();
-        const Segment seg[1] = {{0, 0, done, n}};
-        forward_layers(tokens.subspan(done, n), std::span<S* const>(store),
-                       std::span<const Segment>(seg), act);
-        // Classifier: every row when all logits are wanted, else only the last token's.
-        const auto dim = static_cast<std::size_t>(cfg.dim);
-        if (!all_logits.empty()) {
-          T* chunk_logits = all_logits.data() + done * vocab;
-          detail::rmsnorm(act.xb.data(), act.x.data(), gain_final(), n, dim, cfg.norm_eps);
-          linear_group({{chunk_logits, w_.classifier(), vocab}}, act.xb.data(), n, dim, act);
-          if (last_chunk) std::copy_n(chunk_logits + (n - 1) * vocab, vocab, act.logits.data());
-        } else if (last_chunk) {
-          detail::rmsnorm(act.xb.data(), act.x.data() + (n - 1) * dim, gain_final(), 1, dim,
-                          cfg.norm_eps);
-          linear_group({{act.logits.data(), w_.classifier(), vocab}}, act.xb.data(), 1, dim, act);
-        }
-        done += n;
-      }
-    } catch (...) {
-      cache.cancel_append();
-      throw;
-    }
-    cache.commit_append();
-    if (act.counters != nullptr) {
-      count(is_decode ? act.counters->decode : act.counters->prefill, cache.size() - tokens.size(),
-            tokens.size(), all_logits.empty() ? 1 : tokens.size(), act.max_tokens);
-    }
-    return act.logits.span();
-  }
-
-  /// decode_batch (lengths empty: one token per sequence) and prefill_batch.
+  /// Every entry point: B = stores.size() sequences, sequence b running the next length(b)
+  /// tokens (lengths[b]; one each for a batched decode; all of them for B = 1 unbatched) after
+  /// what *stores[b] holds. Returns the last-token logits of each sequence: [vocab_size] in
+  /// act.logits for the unbatched calls, [B][vocab_size] in act.batch_logits for the batched
+  /// ones; all_logits (unbatched prefill only) receives every position's.
+  ///
+  /// A transaction over the stores: every append begins before any K/V is written; the first
+  /// that cannot (a full store, an exhausted pool) throws, and the ones already begun are
+  /// cancelled, as on any error later; only a completed pass commits them all.
   template <KvStore S>
-  std::span<const T> run_batch(std::span<const std::int32_t> tokens,
-                               std::span<const std::size_t> lengths, std::span<S* const> stores,
-                               Activations<T>& act, bool is_decode) const {
+  std::span<const T> run(std::span<const std::int32_t> tokens, std::span<const std::size_t> lengths,
+                         std::span<S* const> stores, Activations<T>& act, std::span<T> all_logits,
+                         Phase phase, bool batched = false) const {
     const ModelConfig& cfg = w_.config;
     const auto vocab = static_cast<std::size_t>(cfg.vocab_size);
     const auto dim = static_cast<std::size_t>(cfg.dim);
     const std::size_t B = stores.size();
-    const char* const name = is_decode ? "Model::decode_batch" : "Model::prefill_batch";
+    const char* const name =
+        batched ? (phase == Phase::kDecode ? "Model::decode_batch" : "Model::prefill_batch")
+                : (phase == Phase::kDecode ? "Model::decode" : "Model::prefill");
     KVDECODE_CHECK(B > 0, name, ": no sequences given");
     KVDECODE_CHECK(B <= act.max_batch, name, ": ", B,
                    " sequences, but the Activations were built for batches of at most ",
                    act.max_batch, " (the max_batch constructor argument)");
     check_tokens_and_act(tokens, act);
-    const auto length = [&](std::size_t b) { return lengths.empty() ? 1 : lengths[b]; };
+    KVDECODE_CHECK(all_logits.empty() || all_logits.size() == tokens.size() * vocab, name,
+                   ": all_logits holds ", all_logits.size(), " values, expected ", tokens.size(),
+                   " × ", vocab, " = ", tokens.size() * vocab);
+    const auto length = [&](std::size_t b) {
+      return !lengths.empty() ? lengths[b] : batched ? std::size_t{1} : tokens.size();
+    };
     std::size_t total = 0;
     for (std::size_t b = 0; b < B; ++b) {
       KVDECODE_CHECK(length(b) > 0, name, ": sequence ", b, " has no tokens");
@@ -221,9 +204,8 @@ class Model {
         KVDECODE_CHECK(stores[c] != stores[b], name, ": sequences ", c, " and ", b,
                        " are the same store");
     }
+    T* const out = batched ? act.batch_logits.data() : act.logits.data();  // [B][vocab]
 
-    // Every append begins before any K/V is written; the first that cannot (a full store, an
-    // exhausted pool) throws, and the ones already begun are cancelled.
     std::size_t begun = 0;
     const auto cancel_begun = [&]() noexcept {
       for (std::size_t b = 0; b < begun; ++b) stores[b]->cancel_append();
@@ -236,21 +218,20 @@ class Model {
       throw;
     }
 
-    std::uint64_t rows_read = 0;  // Σ over (sequence, chunk) of the rows attention streams
-    std::uint64_t logit_chunks = 0;
-    std::uint64_t chunks = 0;
+    StepWork work;  // what WorkCounters add once the pass has committed
     try {
       // Chunks of up to max_tokens rows of the concatenation; a sequence may span several.
       std::size_t b = 0;       // first sequence with rows in the chunk
       std::size_t b_done = 0;  // rows of sequence b in earlier chunks
-      for (std::size_t done = 0; done < total; ++chunks) {
+      for (std::size_t done = 0; done < total; ++work.chunks) {
         const std::size_t n = std::min(act.max_tokens, total - done);
         std::size_t n_segs = 0;
         std::size_t ending_first = B;  // sequences ending in this chunk: [ending_first, b)
         for (std::size_t row = 0; row < n;) {
           const std::size_t rows = std::min(length(b) - b_done, n - row);
           act.segments[n_segs++] = Segment{b, row, b_done, rows};
-          rows_read += stores[b]->size() + b_done + rows;
+          // Attention reads the store up to this segment's last row, before its writes commit.
+          work.kv_bytes_read += stores[b]->read_bytes(stores[b]->size() + b_done + rows);
           row += rows;
           b_done += rows;
           if (b_done == length(b)) {
@@ -261,20 +242,26 @@ class Model {
         }
         forward_layers(tokens.subspan(done, n), stores,
                        std::span<const Segment>(act.segments.data(), n_segs), act);
-        // Classifier on the last row of each sequence that ends here: they are consecutive
-        // sequences, so their logits rows are too.
-        if (ending_first < b) {
+        if (!all_logits.empty()) {  // every row's logits
+          T* chunk_logits = all_logits.data() + done * vocab;
+          detail::rmsnorm(act.xb.data(), act.x.data(), gain_final(), n, dim, cfg.norm_eps);
+          linear_group({{chunk_logits, w_.classifier(), vocab}}, act.xb.data(), n, dim, act);
+          if (done + n == total) std::copy_n(chunk_logits + (n - 1) * vocab, vocab, out);
+          ++work.logit_chunks;
+        } else if (ending_first < b) {
+          // The last row of each sequence that ends here: consecutive sequences, so their
+          // logits rows are consecutive too.
           std::size_t k = 0;
-          for (std::size_t s = 0; s < n_segs; ++s) {
-            const Segment& sg = act.segments[s];
+          for (std::size_t i = 0; i < n_segs; ++i) {
+            const Segment& sg = act.segments[i];
             if (sg.pending_first + sg.rows != length(sg.seq)) continue;
             detail::rmsnorm(act.xb.data() + k * dim, act.x.data() + (sg.row + sg.rows - 1) * dim,
                             gain_final(), 1, dim, cfg.norm_eps);
             ++k;
           }
-          linear_group({{act.batch_logits.data() + ending_first * vocab, w_.classifier(), vocab}},
-                       act.xb.data(), k, dim, act);
-          ++logit_chunks;
+          linear_group({{out + ending_first * vocab, w_.classifier(), vocab}}, act.xb.data(), k,
+                       dim, act);
+          ++work.logit_chunks;
         }
         done += n;
       }
@@ -282,18 +269,19 @@ class Model {
       cancel_begun();
       throw;
     }
-    for (std::size_t s = 0; s < B; ++s) stores[s]->commit_append();
+    for (std::size_t i = 0; i < B; ++i) stores[i]->commit_append();
 
     if (act.counters != nullptr) {
-      PhaseCounters& c = is_decode ? act.counters->decode : act.counters->prefill;
-      std::uint64_t visible = 0;
-      for (std::size_t s = 0; s < B; ++s) {
-        const std::uint64_t m = length(s);
-        visible += m * (stores[s]->size() - m) + m * (m + 1) / 2;
+      work.tokens = total;
+      work.logit_rows = all_logits.empty() ? B : total;
+      for (std::size_t i = 0; i < B; ++i) {
+        const std::uint64_t m = length(i);
+        work.visible += m * (stores[i]->size() - m) + m * (m + 1) / 2;
       }
-      add_work(c, total, visible, rows_read, chunks, logit_chunks, B);
+      (phase == Phase::kDecode ? act.counters->decode : act.counters->prefill)
+          .add(cfg, sizeof(T), sizeof(W), work);
     }
-    return act.batch_logits.span().first(B * vocab);
+    return batched ? act.batch_logits.span().first(B * vocab) : act.logits.span();
   }
 
   /// Embedding, RoPE angles and every layer for one chunk of n = tokens.size() rows made of
@@ -302,46 +290,83 @@ class Model {
   template <KvStore S>
   void forward_layers(std::span<const std::int32_t> tokens, std::span<S* const> stores,
                       std::span<const Segment> segs, Activations<T>& act) const {
+    embed(tokens, stores, segs, act);
+    for (std::size_t l = 0; l < w_.layers.size(); ++l) {
+      attention_block(l, tokens.size(), stores, segs, act);
+      ffn_block(l, tokens.size(), act);
+    }
+  }
+
+  /// act.x [n][dim] = the embedding rows of the tokens; act.rope_cos / rope_sin [n][head_size/2]
+  /// = the angles of each row's RoPE position in its own sequence.
+  template <KvStore S>
+  void embed(std::span<const std::int32_t> tokens, std::span<S* const> stores,
+             std::span<const Segment> segs, Activations<T>& act) const {
     const ModelConfig& cfg = w_.config;
-    const std::size_t n = tokens.size();
     const auto dim = static_cast<std::size_t>(cfg.dim);
-    const auto kv_dim = static_cast<std::size_t>(cfg.kv_dim());
-    const auto hidden = static_cast<std::size_t>(cfg.hidden_dim);
     const auto hs = static_cast<std::size_t>(cfg.head_size());
     const auto half = hs / 2;
-    const auto n_kv_heads = static_cast<std::size_t>(cfg.n_kv_heads);
-
     for (const Segment& sg : segs) {
       const S& cache = *stores[sg.seq];
       for (std::size_t i = sg.row; i < sg.row + sg.rows; ++i) {
         const W* row = w_.token_embedding.data() + static_cast<std::size_t>(tokens[i]) * dim;
         widen_into(act.x.data() + i * dim, row, dim);
-        // RoPE at the sequence's own position of this row.
         const std::size_t index = cache.size() + sg.pending_first + (i - sg.row);
         rope_angles(cache.rope_position(index), hs, cfg.rope_theta, act.rope_cos.data() + i * half,
                     act.rope_sin.data() + i * half);
       }
     }
+  }
 
-    // Attention of a batch: (segment, kv head) items claimed from a shared counter, as the
-    // sequences' contexts differ. One segment keeps attend()'s static split over kv heads.
-    std::size_t work = 0;
-    for (const Segment& sg : segs)
-      work += sg.rows * (stores[sg.seq]->size() + sg.pending_first + sg.rows);
-    work *= hs * static_cast<std::size_t>(cfg.n_heads);
-    const std::size_t items = segs.size() * n_kv_heads;
-    ThreadPool* const attention_pool =
-        work >= kMinParallelAttention && items > 1 ? act.pool : nullptr;
-    const auto attention = [&](std::size_t l) {
-      if (segs.size() == 1) {
-        const Segment& sg = segs[0];
-        const S& cache = *stores[sg.seq];
-        attend(cfg, cache, l, cache.size() + sg.pending_first, sg.rows, act.q.data() + sg.row * dim,
-               act.att.data() + sg.row * dim, act.attention, act.pool);
-        return;
+  /// x += wo · attention(RoPE(wq · norm(x)), store ∪ RoPE(wk · norm(x)), wv · norm(x)) for the
+  /// n rows of layer l: the new K/V rows are written to their stores first, so a chunk attends
+  /// to itself.
+  template <KvStore S>
+  void attention_block(std::size_t l, std::size_t n, std::span<S* const> stores,
+                       std::span<const Segment> segs, Activations<T>& act) const {
+    const ModelConfig& cfg = w_.config;
+    const LayerWeights<W>& lw = w_.layers[l];
+    const auto dim = static_cast<std::size_t>(cfg.dim);
+    const auto kv_dim = static_cast<std::size_t>(cfg.kv_dim());
+    const auto hs = static_cast<std::size_t>(cfg.head_size());
+    const auto half = hs / 2;
+    const auto n_kv_heads = static_cast<std::size_t>(cfg.n_kv_heads);
+
+    detail::rmsnorm(act.xb.data(), act.x.data(), gain_att(l), n, dim, cfg.norm_eps);
+    // q, k and v read the same input: one parallel region for the three.
+    linear_group({{act.q.data(), lw.wq.data(), dim},
+                  {act.k.data(), lw.wk.data(), kv_dim},
+                  {act.v.data(), lw.wv.data(), kv_dim}},
+                 act.xb.data(), n, dim, act);
+    for (const Segment& sg : segs) {
+      S& cache = *stores[sg.seq];
+      for (std::size_t i = sg.row; i < sg.row + sg.rows; ++i) {
+        const T* c = act.rope_cos.data() + i * half;
+        const T* s = act.rope_sin.data() + i * half;
+        apply_rope(act.q.data() + i * dim, static_cast<std::size_t>(cfg.n_heads), hs,
+                   cfg.rope_style, c, s);
+        apply_rope(act.k.data() + i * kv_dim, n_kv_heads, hs, cfg.rope_style, c, s);
+        cache.write(l, sg.pending_first + (i - sg.row), act.k.data() + i * kv_dim,
+                    act.v.data() + i * kv_dim);
       }
+    }
+
+    if (segs.size() == 1) {  // one sequence: attend()'s static split over kv heads
+      const Segment& sg = segs[0];
+      const S& cache = *stores[sg.seq];
+      attend(cfg, cache, l, cache.size() + sg.pending_first, sg.rows, act.q.data() + sg.row * dim,
+             act.att.data() + sg.row * dim, act.attention, act.pool);
+    } else {
+      // A batch: (segment, kv head) items claimed from a shared counter, as the sequences'
+      // contexts differ.
+      std::size_t work = 0;
+      for (const Segment& sg : segs)
+        work += sg.rows * (stores[sg.seq]->size() + sg.pending_first + sg.rows);
+      work *= hs * static_cast<std::size_t>(cfg.n_heads);
+      const std::size_t items = segs.size() * n_kv_heads;
+      ThreadPool* const pool = work >= kMinParallelAttention && items > 1 ? act.pool : nullptr;
       std::atomic<std::size_t> next{0};
-      parallel_run(attention_pool, [&](std::size_t t, std::size_t) {
+      parallel_run(pool, [&](std::size_t t, std::size_t) {
         for (std::size_t i = next.fetch_add(1, std::memory_order_relaxed); i < items;
              i = next.fetch_add(1, std::memory_order_relaxed)) {
           const Segment& sg = segs[i / n_kv_heads];
@@ -351,44 +376,25 @@ class Model {
                          t);
         }
       });
-    };
-
-    // Every projection below is split across act.pool's threads by weight rows; q/k/v and the
-    // FFN gate/up share one region each, as they read the same input.
-    const auto project = [&](std::initializer_list<Projection> ps, const T* x, std::size_t in) {
-      linear_group(ps, x, n, in, act);
-    };
-    for (std::size_t l = 0; l < w_.layers.size(); ++l) {
-      const LayerWeights<W>& lw = w_.layers[l];
-      // Attention block.
-      detail::rmsnorm(act.xb.data(), act.x.data(), gain_att(l), n, dim, cfg.norm_eps);
-      project({{act.q.data(), lw.wq.data(), dim},
-               {act.k.data(), lw.wk.data(), kv_dim},
-               {act.v.data(), lw.wv.data(), kv_dim}},
-              act.xb.data(), dim);
-      for (const Segment& sg : segs) {
-        S& cache = *stores[sg.seq];
-        for (std::size_t i = sg.row; i < sg.row + sg.rows; ++i) {
-          const T* c = act.rope_cos.data() + i * half;
-          const T* s = act.rope_sin.data() + i * half;
-          apply_rope(act.q.data() + i * dim, static_cast<std::size_t>(cfg.n_heads), hs,
-                     cfg.rope_style, c, s);
-          apply_rope(act.k.data() + i * kv_dim, n_kv_heads, hs, cfg.rope_style, c, s);
-          cache.write(l, sg.pending_first + (i - sg.row), act.k.data() + i * kv_dim,
-                      act.v.data() + i * kv_dim);
-        }
-      }
-      attention(l);
-      project({{act.xb.data(), lw.wo.data(), dim}}, act.att.data(), dim);
-      add_into(act.x.data(), act.xb.data(), n * dim);
-      // Feed-forward block.
-      detail::rmsnorm(act.xb.data(), act.x.data(), gain_ffn(l), n, dim, cfg.norm_eps);
-      project({{act.hb.data(), lw.w1.data(), hidden}, {act.hb2.data(), lw.w3.data(), hidden}},
-              act.xb.data(), dim);
-      detail::swiglu(act.hb.data(), act.hb2.data(), n * hidden);
-      project({{act.xb.data(), lw.w2.data(), dim}}, act.hb.data(), hidden);
-      add_into(act.x.data(), act.xb.data(), n * dim);
     }
+
+    linear_group({{act.xb.data(), lw.wo.data(), dim}}, act.att.data(), n, dim, act);
+    add_into(act.x.data(), act.xb.data(), n * dim);
+  }
+
+  /// x += w2 · (silu(w1 · norm(x)) ⊙ w3 · norm(x)) for the n rows of layer l (SwiGLU).
+  void ffn_block(std::size_t l, std::size_t n, Activations<T>& act) const {
+    const ModelConfig& cfg = w_.config;
+    const LayerWeights<W>& lw = w_.layers[l];
+    const auto dim = static_cast<std::size_t>(cfg.dim);
+    const auto hidden = static_cast<std::size_t>(cfg.hidden_dim);
+    detail::rmsnorm(act.xb.data(), act.x.data(), gain_ffn(l), n, dim, cfg.norm_eps);
+    // gate and up read the same input: one parallel region for both.
+    linear_group({{act.hb.data(), lw.w1.data(), hidden}, {act.hb2.data(), lw.w3.data(), hidden}},
+                 act.xb.data(), n, dim, act);
+    detail::swiglu(act.hb.data(), act.hb2.data(), n * hidden);
+    linear_group({{act.xb.data(), lw.w2.data(), dim}}, act.hb.data(), n, hidden, act);
+    add_into(act.x.data(), act.xb.data(), n * dim);
   }
 
   /// One output of a projection region: y [n][out] = x [n][in] · w [out][in]ᵀ.
@@ -478,57 +484,6 @@ class Model {
 
   static void add_into(T* x, const T* y, std::size_t count) {
     for (std::size_t i = 0; i < count; ++i) x[i] += y[i];
-  }
-
-  /// Adds the work of one call that ran n tokens after `before` cached positions in chunks of at
-  /// most `chunk` tokens (0 = one chunk) and computed logit_rows rows of logits (1 or n).
-  /// Every figure is a closed form in these four numbers, so counting costs nothing per token.
-  void count(PhaseCounters& c, std::size_t before, std::size_t n, std::size_t logit_rows,
-             std::size_t chunk = 0) const {
-    const std::uint64_t b = before;
-    const std::uint64_t m = n;
-    const std::uint64_t per_chunk = chunk == 0 || chunk > n ? m : std::uint64_t{chunk};
-    const std::uint64_t chunks = (m + per_chunk - 1) / per_chunk;
-    // Query i (0-based within the call) sees b + i + 1 keys under the causal mask, whatever the
-    // chunking: Σ = m·b + m(m+1)/2 per layer and query head.
-    const std::uint64_t visible = m * b + m * (m + 1) / 2;
-    // attend() streams each kv head's rows [0, chunk end) once per chunk (its kv_mul query heads
-    // share every tile): Σ over chunks of (b + end) rows, end = per_chunk, 2·per_chunk, ..., m.
-    const std::uint64_t full = chunks - 1;  // chunks of exactly per_chunk tokens before the last
-    const std::uint64_t rows_read = chunks * b + per_chunk * full * (full + 1) / 2 + m;
-    add_work(c, m, visible, rows_read, chunks, logit_rows > 1 ? chunks : 1, logit_rows);
-  }
-
-  /// Adds the work of m tokens whose queries see `visible` keys in all (per layer and query
-  /// head), whose attention streamed rows_read K/V rows per layer and kv head, run in `chunks`
-  /// passes over the layer weights, with the classifier read logit_chunks times for logit_rows
-  /// rows of logits. Batched calls pass these sums over their sequences: weights are read once
-  /// per chunk of the batch, not once per sequence.
-  void add_work(PhaseCounters& c, std::uint64_t m, std::uint64_t visible, std::uint64_t rows_read,
-                std::uint64_t chunks, std::uint64_t logit_chunks, std::uint64_t logit_rows) const {
-    const ModelConfig& cfg = w_.config;
-    const auto L = static_cast<std::uint64_t>(cfg.n_layers);
-    const auto dim = static_cast<std::uint64_t>(cfg.dim);
-    const auto kv_dim = static_cast<std::uint64_t>(cfg.kv_dim());
-    const auto hidden = static_cast<std::uint64_t>(cfg.hidden_dim);
-    const auto vocab = static_cast<std::uint64_t>(cfg.vocab_size);
-    const auto hs = static_cast<std::uint64_t>(cfg.head_size());
-    const auto n_heads = static_cast<std::uint64_t>(cfg.n_heads);
-    c.tokens += m;
-    c.kv_projections += m * L;
-    c.attention_scores += visible * n_heads * L;
-    c.kv_bytes_written += 2 * m * kv_dim * L * sizeof(T);
-    c.kv_bytes_read += 2 * rows_read * kv_dim * L * sizeof(T);
-    // Weights: every layer matrix and gain once per chunk; the final gain and the classifier
-    // once per chunk that computes logits (only the last one unless all logits are wanted); one
-    // embedding row per token.
-    const std::uint64_t layer_matrices = dim * dim * 2 + kv_dim * dim * 2 + hidden * dim * 3;
-    c.weight_bytes_read +=
-        (chunks * L * (layer_matrices + 2 * dim) + logit_chunks * (dim + vocab * dim) + m * dim) *
-        sizeof(W);
-    // FLOPs of the matrix products (2 per multiply-add): projections, classifier, q·k and p·v.
-    c.flops +=
-        2 * m * L * layer_matrices + 2 * logit_rows * vocab * dim + 4 * visible * n_heads * hs * L;
   }
 
   Weights<W> w_;

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "kvdecode/block_pool.hpp"
+#include "kvdecode/detail/store_sizes.hpp"
 #include "kvdecode/error.hpp"
 #include "kvdecode/kv_store.hpp"
 
@@ -36,6 +37,23 @@ template <class T>
 class PagedStore {
  public:
   using Scalar = T;
+
+  /// What a sequence's memory depends on: the pool's block size and the sequence length.
+  struct Options {
+    std::size_t block_size = 16;  ///< positions per block (BlockPool's block_size)
+    std::size_t capacity = 0;     ///< positions of the sequence; 0 means cfg.seq_len
+  };
+
+  /// The blocks of one sequence of `capacity` positions held alone (shared blocks only make a
+  /// sequence's share smaller): ceil(capacity / block_size) × block_size positions of K and V.
+  static constexpr std::uint64_t memory_bytes_for(const ModelConfig& cfg, const Options& o) {
+    KVDECODE_CHECK(o.block_size >= 1, "PagedStore: block_size must be at least 1, got ",
+                   o.block_size);
+    const std::uint64_t bs = o.block_size;
+    const std::uint64_t cap = detail::capacity_or_seq_len(o.capacity, cfg);
+    const std::uint64_t blocks = cap / bs + (cap % bs != 0 ? 1 : 0);
+    return detail::sat_mul({blocks, bs, detail::KvDims::of(cfg).row_bytes(sizeof(T))});
+  }
 
   PagedStore() = default;
   /// An empty sequence on pool.
@@ -109,6 +127,28 @@ class PagedStore {
   std::size_t memory_bytes() const {
     return pool_ == nullptr ? 0 : table_.size() * pool_->block_bytes();
   }
+  Options options() const {
+    return pool_ == nullptr ? Options{} : Options{pool_->block_size(), pool_->max_seq_len()};
+  }
+  /// The room left in the sequence and in the pool now: the free rows of the last block (after
+  /// its copy-on-write, if shared) and whole blocks the pool can hand out.
+  std::size_t max_append() const {
+    if (pool_ == nullptr || pending_ != 0) return 0;
+    const std::size_t bs = pool_->block_size();
+    const std::size_t partial = size_ % bs;
+    const bool cow =
+        partial != 0 && (pool_->ref_count(table_.back()) > 1 || pool_->is_cached(table_.back()));
+    const std::size_t blocks = pool_->n_available();
+    if (cow && blocks == 0) return 0;
+    const std::size_t rows = (partial != 0 ? bs - partial : 0) + (blocks - (cow ? 1 : 0)) * bs;
+    return std::min(capacity() - size_, rows);
+  }
+  /// Every row of [0, end), read in place from its blocks.
+  std::uint64_t read_bytes(std::size_t end) const {
+    return pool_ == nullptr ? 0 : 2 * end * n_layers() * n_kv_heads() * head_size() * sizeof(T);
+  }
+  /// Truncation returns whole blocks and keeps shared ones untouched: any rollback is exact.
+  std::size_t max_exact_rollback() const { return size_; }
   std::size_t rope_position(std::size_t index) const { return index; }
   std::size_t block_scratch_size() const { return 0; }
 

@@ -16,6 +16,7 @@
 #endif
 
 #include "kvdecode/aligned_buffer.hpp"
+#include "kvdecode/detail/store_sizes.hpp"
 #include "kvdecode/error.hpp"
 #include "kvdecode/kv_store.hpp"
 #include "kvdecode/model_config.hpp"
@@ -48,17 +49,31 @@ class Q4Store {
   static constexpr std::size_t kDefaultGroup = 64;
   static constexpr float kLevels = 15.0f;
 
-  /// Bytes per position in every layer and kv head, metadata amortised over a key group:
-  /// 2 × n_layers × n_kv_heads × (head_size / 2 + 8 · head_size / G + 8): 4-bit codes of K and
-  /// V, an f32 (min, step) pair per key channel per G positions, one per value row. Excludes the
-  /// fixed staging area (residual_bytes()).
-  static double bytes_per_token(const ModelConfig& cfg, std::size_t group = kDefaultGroup) {
-    const auto hs = static_cast<double>(cfg.head_size());
-    const double per_head = hs / 2 + 8.0 * hs / static_cast<double>(group) + hs / 2 + 8.0;
-    return static_cast<double>(cfg.n_layers) * static_cast<double>(cfg.n_kv_heads) * per_head;
+  struct Options {
+    std::size_t capacity = 0;           ///< positions it holds; 0 means cfg.seq_len
+    std::size_t group = kDefaultGroup;  ///< G: positions per key group, the residual length
+  };
+
+  /// Every byte a store of these options reserves: per (layer, kv head) and full group, the
+  /// 4-bit codes of K and V (G × head_size bytes), an f32 (min, step) pair per key channel and
+  /// one per value row; plus the fixed full-precision staging of one group and its cancel copy,
+  /// 4 × n_layers × n_kv_heads × G × head_size × sizeof(T). capacity / G groups can be
+  /// quantized; the rest of a capacity that is not a multiple of G stays in staging.
+  static constexpr std::uint64_t memory_bytes_for(const ModelConfig& cfg, const Options& o) {
+    KVDECODE_CHECK(o.group >= 2, "Q4Store: group size ", o.group, ", expected at least 2");
+    const detail::KvDims d = detail::KvDims::of(cfg);
+    const std::uint64_t g = o.group;
+    const std::uint64_t groups = detail::capacity_or_seq_len(o.capacity, cfg) / g;
+    const std::uint64_t group_bytes = detail::sat_add(
+        {detail::sat_mul({g, d.head_size}), detail::sat_mul({2 * sizeof(float), d.head_size}),
+         detail::sat_mul({2 * sizeof(float), g})});
+    return detail::sat_add({detail::sat_mul({d.heads(), groups, group_bytes}),
+                            detail::sat_mul({4, d.heads(), g, d.head_size, sizeof(T)})});
   }
 
   Q4Store() = default;
+  Q4Store(const ModelConfig& cfg, const Options& options)
+      : Q4Store(cfg, options.capacity, options.group) {}
   /// A cache for `capacity` positions (0 means cfg.seq_len) with key groups of `group`
   /// positions (the residual length); group must be ≥ 2 and head_size even.
   explicit Q4Store(const ModelConfig& cfg, std::size_t capacity = 0,
@@ -104,6 +119,22 @@ class Q4Store {
     return key_codes_.bytes() + value_codes_.bytes() + key_min_.bytes() + key_step_.bytes() +
            value_min_.bytes() + value_step_.bytes() + residual_bytes();
   }
+  Options options() const { return {capacity_, group_}; }
+  std::size_t max_append() const { return capacity_ - size_; }
+  /// The quantized groups of [0, end) as codes and (min, step) pairs, the rest of it from the
+  /// staging rows in full precision (a chunk's rows are written, and full groups quantized,
+  /// before attention reads them).
+  std::uint64_t read_bytes(std::size_t end) const {
+    const std::size_t heads = n_layers_ * n_kv_heads_;
+    const std::size_t quantized = std::min(end / group_, n_groups_);
+    const std::size_t group_bytes =
+        group_ * head_size_ + 2 * sizeof(float) * head_size_ + 2 * sizeof(float) * group_;
+    const std::size_t staged = end - quantized * group_;
+    return heads * (quantized * group_bytes + 2 * staged * head_size_ * sizeof(T));
+  }
+  /// Rows still in staging leave no trace when dropped; truncating into a quantized group
+  /// re-quantizes its kept rows later (see truncate()), which is not exact.
+  std::size_t max_exact_rollback() const { return size_ % group_; }
   std::size_t rope_position(std::size_t index) const { return index; }
   /// One group of keys and values: [2][G][head_size].
   std::size_t block_scratch_size() const { return 2 * group_ * head_size_; }
@@ -214,6 +245,29 @@ class Q4Store {
       if (g < quantized) {
         dequantize_group(layer, kv_head, g, n, ks, vs);
         sink(KvBlock<T>{ks, vs, head_size_, r0, n});
+      } else {
+        const std::size_t at = (layer * n_kv_heads_ + kv_head) * group_ * head_size_;
+        sink(KvBlock<T>{stage_keys_.data() + at, stage_values_.data() + at, head_size_, r0, n});
+      }
+    }
+  }
+
+  /// Cache indices [0, end) of one (layer, kv head) as stored: each quantized group as codes
+  /// with its (min, step) pairs, then the open group's staging rows in full precision
+  /// (CodedKvStore).
+  template <class Sink>
+  void for_each_coded_block(std::size_t layer, std::size_t kv_head, std::size_t end,
+                            Sink&& sink) const {
+    const std::size_t quantized = std::min(written_[layer] / group_, n_groups_);
+    for (std::size_t g = 0; g * group_ < end; ++g) {
+      const std::size_t r0 = g * group_;
+      const std::size_t n = std::min(group_, end - r0);
+      if (g < quantized) {
+        const std::size_t gi = group_base(layer, kv_head, g);
+        sink(Q4KvBlock{key_codes_.data() + gi * group_ * head_size_ / 2,
+                       value_codes_.data() + gi * group_ * head_size_ / 2,
+                       key_min_.data() + gi * head_size_, key_step_.data() + gi * head_size_,
+                       value_min_.data() + gi * group_, value_step_.data() + gi * group_, r0, n});
       } else {
         const std::size_t at = (layer * n_kv_heads_ + kv_head) * group_ * head_size_;
         sink(KvBlock<T>{stage_keys_.data() + at, stage_values_.data() + at, head_size_, r0, n});

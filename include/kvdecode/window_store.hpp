@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "kvdecode/aligned_buffer.hpp"
+#include "kvdecode/detail/store_sizes.hpp"
 #include "kvdecode/error.hpp"
 #include "kvdecode/kv_store.hpp"
 #include "kvdecode/model_config.hpp"
@@ -35,7 +36,7 @@ struct WindowOptions {
   std::size_t max_chunk = 1;
   /// capacity(): the longest sequence (cache indices) the store accepts; only the token ids,
   /// 4 bytes each, grow with it. 0 means cfg.seq_len.
-  std::size_t max_positions = 0;
+  std::size_t capacity = 0;
 };
 
 /// Keys are stored after RoPE, as every other store, in their ring slot:
@@ -62,15 +63,20 @@ class WindowStore {
   /// Keys rotated per sink call under kStreaming: [kRotateRows][head_size] of scratch.
   static constexpr std::size_t kRotateRows = 128;
 
+  using Options = WindowOptions;
+
   /// Every byte a store of these options reserves: 2 × n_layers × kv_dim × (S + R) × sizeof(T),
   /// plus the [W][head_size/2] cos and sin tables under kStreaming. Independent of the length.
-  static std::size_t memory_bytes_for(const ModelConfig& cfg, const WindowOptions& o) {
-    const auto kv = static_cast<std::size_t>(cfg.n_layers) * static_cast<std::size_t>(cfg.kv_dim());
-    const std::size_t rows = o.sinks + o.window - 1 + o.max_chunk;
-    const std::size_t table = o.policy == WindowPolicy::kStreaming
-                                  ? 2 * o.window * static_cast<std::size_t>(cfg.head_size()) / 2
-                                  : 0;
-    return (2 * kv * rows + table) * sizeof(T);
+  static constexpr std::uint64_t memory_bytes_for(const ModelConfig& cfg, const Options& o) {
+    KVDECODE_CHECK(o.window >= 1 && o.max_chunk >= 1, "WindowStore: window ", o.window,
+                   " and max_chunk ", o.max_chunk, ", expected both at least 1");
+    const detail::KvDims d = detail::KvDims::of(cfg);
+    const std::uint64_t slots = detail::sat_add({o.sinks, o.window, o.max_chunk});
+    const std::uint64_t rows = slots - 1;  // S + W - 1 + max_chunk
+    const std::uint64_t table =
+        o.policy == WindowPolicy::kStreaming ? detail::sat_mul({o.window, d.head_size}) : 0;
+    return detail::sat_mul(
+        {detail::sat_add({detail::sat_mul({2, d.heads(), d.head_size, rows}), table}), sizeof(T)});
   }
 
   WindowStore() = default;
@@ -82,8 +88,7 @@ class WindowStore {
         sinks_(options.sinks),
         policy_(options.policy),
         max_chunk_(options.max_chunk),
-        capacity_(options.max_positions == 0 ? static_cast<std::size_t>(cfg.seq_len)
-                                             : options.max_positions),
+        capacity_(options.capacity == 0 ? static_cast<std::size_t>(cfg.seq_len) : options.capacity),
         style_(cfg.rope_style) {
     cfg.validate();
     KVDECODE_CHECK(window_ >= 1, "WindowStore: window ", window_, ", expected at least 1");
@@ -122,11 +127,26 @@ class WindowStore {
   std::size_t sinks() const { return sinks_; }
   std::size_t max_chunk() const { return max_chunk_; }
   WindowPolicy policy() const { return policy_; }
-  /// K/V rows and rotation tables (memory_bytes_for); the token ids ([capacity] int32) aside,
-  /// as ContiguousStore's.
+  /// K/V rows and rotation tables; the token ids ([capacity] int32) aside, as every store's.
   std::size_t memory_bytes() const {
     return sink_keys_.bytes() + sink_values_.bytes() + ring_keys_.bytes() + ring_values_.bytes() +
            rot_cos_.bytes() + rot_sin_.bytes();
+  }
+  Options options() const { return {window_, sinks_, policy_, max_chunk_, capacity_}; }
+  /// The resident rows of [0, end) that for_each_block hands attention: the sinks and the ring
+  /// rows still holding their index (only query end-1's window once a streaming cache is full).
+  std::uint64_t read_bytes(std::size_t end) const {
+    const std::size_t lo = ring_first(end, end);
+    const std::size_t rows = std::min(sinks_, end) + (end > lo ? end - lo : 0);
+    return 2 * rows * n_layers_ * n_kv_heads_ * head_size_ * sizeof(T);
+  }
+  /// How far truncate() reaches back: to any index while the ring has not overwritten a key,
+  /// else max_chunk positions (older keys may be gone). Every key a later query sees is then
+  /// as if the dropped positions had never been appended.
+  std::size_t max_exact_rollback() const {
+    if (oldest_ <= sinks_) return size_;
+    const std::size_t first = oldest_ + window_ - 1;  // the lowest index truncate() accepts
+    return first >= size_ ? 0 : size_ - first;
   }
 
   /// kTrainedWindow: the index. kStreaming: the slot of the token when it arrives, its index
@@ -160,7 +180,7 @@ class WindowStore {
     KVDECODE_CHECK(pending_ == 0, "WindowStore::begin_append: ", pending_,
                    " positions are already pending");
     KVDECODE_CHECK(n <= capacity_ - size_, "WindowStore: appending ", n, " positions to ", size_,
-                   " would exceed the capacity of ", capacity_, " (max_positions)");
+                   " would exceed the capacity of ", capacity_);
     KVDECODE_CHECK(policy_ != WindowPolicy::kStreaming || n <= 1 || size_ + n <= sinks_ + window_,
                    "WindowStore (streaming): appending ", n, " positions to ", size_,
                    " passes the full cache of S + W = ", sinks_ + window_,
@@ -252,11 +272,9 @@ class WindowStore {
       const std::size_t at = lh * sinks_ * hs;
       sink(KvBlock<T>{sink_keys_.data() + at, sink_values_.data() + at, hs, 0, ns});
     }
-    const std::size_t w = written_[layer];
-    std::size_t lo = std::max({sinks_, oldest_, w > ring_ ? w - ring_ : 0});
+    const std::size_t lo = ring_first(written_[layer], end);
     const bool rotate = policy_ == WindowPolicy::kStreaming && end > sinks_ + window_;
     if (rotate) {
-      lo = std::max(lo, end - window_);  // only query end-1's window
       KVDECODE_CHECK(scratch.size() >= block_scratch_size(),
                      "WindowStore::for_each_block: scratch of ", scratch.size(),
                      " elements, expected at least ", block_scratch_size());
@@ -283,6 +301,15 @@ class WindowStore {
   }
 
  private:
+  /// The lowest ring index attention is handed for cache indices [0, end) when w rows are
+  /// written: past the sinks, the oldest still resident, and under a full streaming cache only
+  /// query end-1's window.
+  std::size_t ring_first(std::size_t w, std::size_t end) const {
+    const std::size_t lo = std::max({sinks_, oldest_, w > ring_ ? w - ring_ : 0});
+    const bool rotate = policy_ == WindowPolicy::kStreaming && end > sinks_ + window_;
+    return rotate ? std::max(lo, end - window_) : lo;
+  }
+
   std::size_t ring_row(std::size_t layer, std::size_t kv_head, std::size_t index) const {
     return (layer * n_kv_heads_ + kv_head) * ring_ + (index - sinks_) % ring_;
   }
