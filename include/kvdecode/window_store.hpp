@@ -4,7 +4,6 @@
 #pragma once
 
 #include <algorithm>
-#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -15,6 +14,7 @@
 #include "kvdecode/error.hpp"
 #include "kvdecode/kv_store.hpp"
 #include "kvdecode/model_config.hpp"
+#include "kvdecode/rope.hpp"
 
 namespace kvdecode {
 
@@ -100,17 +100,14 @@ class WindowStore {
     ring_keys_ = AlignedBuffer<T>(heads * ring_ * head_size_);
     ring_values_ = AlignedBuffer<T>(ring_keys_.size());
     if (policy_ == WindowPolicy::kStreaming) {
-      // cos/sin of d · theta^(-2j/head_size) for every shift d < W, formed in double as rope.hpp.
+      // The angles of a rotation by -d for every shift d < W: rope_angles(d) with sin negated.
       const std::size_t half = head_size_ / 2;
       rot_cos_ = AlignedBuffer<T>(window_ * half);
       rot_sin_ = AlignedBuffer<T>(window_ * half);
       for (std::size_t d = 0; d < window_; ++d)
-        for (std::size_t j = 0; j < half; ++j) {
-          const double freq = std::pow(
-              cfg.rope_theta, -2.0 * static_cast<double>(j) / static_cast<double>(head_size_));
-          rot_cos_[d * half + j] = static_cast<T>(std::cos(static_cast<double>(d) * freq));
-          rot_sin_[d * half + j] = static_cast<T>(std::sin(static_cast<double>(d) * freq));
-        }
+        rope_angles(d, head_size_, cfg.rope_theta, rot_cos_.data() + d * half,
+                    rot_sin_.data() + d * half);
+      for (std::size_t i = 0; i < rot_sin_.size(); ++i) rot_sin_[i] = -rot_sin_[i];
     }
     written_.assign(n_layers_, 0);
     tokens_ = AlignedBuffer<std::int32_t>(capacity_);
@@ -314,20 +311,11 @@ class WindowStore {
     return (layer * n_kv_heads_ + kv_head) * ring_ + (index - sinks_) % ring_;
   }
 
-  /// out [head_size] = key rotated by -d positions: each pair (a, b) → (a cos + b sin,
-  /// b cos - a sin), the inverse of apply_rope's rotation by d.
+  /// out [head_size] = key rotated by -d positions, the inverse of apply_rope's rotation by d.
   void rotate_back(const T* key, std::size_t d, T* out) const {
     const std::size_t half = head_size_ / 2;
-    const T* c = rot_cos_.data() + d * half;
-    const T* s = rot_sin_.data() + d * half;
-    for (std::size_t j = 0; j < half; ++j) {
-      const std::size_t ia = style_ == RopeStyle::kAdjacentPairs ? 2 * j : j;
-      const std::size_t ib = style_ == RopeStyle::kAdjacentPairs ? 2 * j + 1 : j + half;
-      const T a = key[ia];
-      const T b = key[ib];
-      out[ia] = a * c[j] + b * s[j];
-      out[ib] = b * c[j] - a * s[j];
-    }
+    std::copy_n(key, head_size_, out);
+    apply_rope(out, 1, head_size_, style_, rot_cos_.data() + d * half, rot_sin_.data() + d * half);
   }
 
   std::size_t n_layers_ = 0;
@@ -347,8 +335,8 @@ class WindowStore {
   AlignedBuffer<T> sink_values_;        // [n_layers][n_kv_heads][S][head_size]
   AlignedBuffer<T> ring_keys_;          // [n_layers][n_kv_heads][R][head_size] after RoPE at p_w(x)
   AlignedBuffer<T> ring_values_;        // [n_layers][n_kv_heads][R][head_size]
-  AlignedBuffer<T> rot_cos_;            // [W][head_size/2] cos(d θ_j), kStreaming only
-  AlignedBuffer<T> rot_sin_;            // [W][head_size/2] sin(d θ_j), kStreaming only
+  AlignedBuffer<T> rot_cos_;            // [W][head_size/2] cos(-d θ_j), kStreaming only
+  AlignedBuffer<T> rot_sin_;            // [W][head_size/2] sin(-d θ_j), kStreaming only
   std::vector<std::size_t> written_;    // [n_layers] rows written per layer (committed + pending)
   AlignedBuffer<std::int32_t> tokens_;  // [capacity] token id of each position
 };
