@@ -724,15 +724,28 @@ TEST(TokenizerTest, SaveLoadRoundTripIsIdentical) {
   EXPECT_EQ(Tokenizer(pieces, scores, t.max_token_length()).to_bytes(), original);
 }
 
-TEST(TokenizerTest, TrailingBytesAndExtraEntriesAreIgnoredLikeRunC) {
+TEST(TokenizerTest, TrailingBytesAreIgnoredLikeRunC) {
   std::vector<std::byte> bytes = read_bytes(data_dir() / "tokenizer.bin");
   const std::vector<std::byte> original = bytes;
   bytes.insert(bytes.end(), 37, std::byte{0xAB});
   EXPECT_EQ(Tokenizer::from_memory(bytes, kFixtureVocabSize).to_bytes(), original);
-  // A smaller vocab_size reads only the first entries, as run.c's loop does.
-  const Tokenizer prefix = Tokenizer::from_memory(original, 300);
-  EXPECT_EQ(prefix.vocab_size(), 300);
-  EXPECT_EQ(prefix.piece(299), load_fixture().piece(299));
+}
+
+// run.c reads vocab_size entries and ignores the rest, so a larger tokenizer (llama2.c's 32000
+// pieces with a 512-piece model) printed wrong text without an error. Both directions are now
+// refused, naming both counts.
+TEST(TokenizerTest, AVocabularyOfAnotherSizeIsRefusedNamingBothCounts) {
+  const std::vector<std::byte> bytes = read_bytes(data_dir() / "tokenizer.bin");
+  EXPECT_THAT(
+      error_message([&] { Tokenizer::from_memory(bytes, 300, "fixture"); }),
+      HasSubstr("tokenizer.bin 'fixture': the file holds " + std::to_string(kFixtureVocabSize) +
+                " entries but the model's vocab_size is 300"));
+  // One entry short: the file ends cleanly between entries.
+  const RawFile small = small_file_header_and_entries(kSmallPieces.size());
+  EXPECT_THAT(error_message([&] { Tokenizer::from_memory(small.bytes, 8, "small.bin"); }),
+              HasSubstr("the file holds 7 entries but the model's vocab_size is 8"));
+  EXPECT_THAT(error_message([&] { Tokenizer::from_memory(small.bytes, 6, "small.bin"); }),
+              HasSubstr("the file holds 7 entries but the model's vocab_size is 6"));
 }
 
 TEST(TokenizerTest, SaveToUnwritablePathThrowsNamingTheFile) {
