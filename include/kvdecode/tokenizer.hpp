@@ -158,14 +158,12 @@ class Tokenizer {
       const std::string where =
           entry >= 0 ? detail::concat(": entry ", entry, " of ", vocab_size) : std::string();
       // Ending cleanly between entries is a smaller vocabulary, not a damaged file.
-      const std::string count =
-          entry >= 0 && pos == file_size && piece_len < 0 && std::string_view(field) == "the score"
-              ? detail::concat(": the file holds ", entry,
-                               " entries but the model's vocab_size is ", vocab_size,
-                               " (a tokenizer of another model?)")
-              : std::string();
+      if (entry >= 0 && pos == file_size && piece_len < 0 && std::string_view(field) == "the score")
+        KVDECODE_FAIL(context, ": the file holds ", entry,
+                      " entries but the model's vocab_size is ", vocab_size,
+                      " (a tokenizer of another model?)");
       KVDECODE_FAIL(context, where, ": file ends at byte ", file_size, " while reading ", what,
-                    " (needs ", n - (file_size - pos), " more bytes)", count);
+                    " (needs ", n - (file_size - pos), " more bytes)");
     };
     need(4, -1, "max_token_length");
     const std::uint32_t max_token_length = detail::read_u32_le(bytes.data() + pos);
