@@ -398,8 +398,11 @@ Source load_source(const Options& o) {
                           "' has vocab_size " + std::to_string(weights.config.vocab_size) +
                           "; pass its tokenizer with --tokenizer)");
   }
-  // The model's identity, not its path, picks the default prompt.
-  const bool is_kjv = fs::exists(kjv) && same_contents(model, kjv);
+  // The model's identity, not its path, picks the default prompt (read only when needed).
+  std::error_code ec;
+  const bool needs_default = !o.prompt && o.prompt_file.empty() && !o.interactive;
+  const bool is_kjv = needs_default && fs::exists(kjv, ec) &&
+                      (fs::equivalent(model, kjv, ec) || same_contents(model, kjv));
   return {model.string(), std::move(weights), std::move(*tokenizer),
           is_kjv ? kKjvPrompt : kStoriesPrompt, ms_since(t0)};
 }
