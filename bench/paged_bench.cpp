@@ -31,20 +31,11 @@ namespace {
 
 using namespace kvdecode;
 
-ModelConfig bench_config() {
-  ModelConfig c;
-  c.dim = 256;
-  c.hidden_dim = 768;
-  c.n_layers = 4;
-  c.n_heads = 8;
-  c.n_kv_heads = 4;
-  c.vocab_size = 512;
-  c.seq_len = 1024;
-  return c;
-}
+// The examples' demo model (serve_batch runs the same shape and weights).
+ModelConfig bench_config() { return demo_config(); }
 
 const Model<float>& bench_model() {
-  static const Model<float> model(random_weights<float>(bench_config(), 2026));
+  static const Model<float> model(demo_weights<float>());
   return model;
 }
 

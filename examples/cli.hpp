@@ -1,103 +1,161 @@
-// Command-line parsing the example programs share: a usage error (exit code 2), strict number
-// parsing, a walk over argv that hands each flag its value, and main()'s exit-code rules.
+// Command-line handling the example programs share, on CLI11: each flag is declared once (names,
+// default, help, validation) and --help is generated from those declarations. Adds strict number
+// validators (CLI11 2.1 wraps "-2" into a huge unsigned value and takes "nan"), a usage error
+// for checks that need the loaded model, and main()'s exit-code and message rules.
 #pragma once
 
+#include <CLI/CLI.hpp>
 #include <charconv>
-#include <cstddef>
+#include <cmath>
 #include <cstdio>
 #include <exception>
-#include <initializer_list>
 #include <kvdecode/error.hpp>
+#include <limits>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <system_error>
+#include <type_traits>
 #include <utility>
+#include <vector>
 
 namespace cli {
 
-/// A bad command line: main() prints the message and the usage text and exits with code 2.
+/// A bad command line found after parsing (a flag the loaded model cannot honour): main()
+/// prints the message and exits with code 2, as for a parse error.
 struct UsageError {
   std::string message;
 };
 
-/// The whole of `text` as a number of type N, or UsageError naming the flag. Negative text for
-/// an unsigned N, trailing characters and out-of-range values are all refused.
+/// The whole of `text` as an N (no sign for an unsigned N, no trailing characters, finite for
+/// a floating-point N), or nothing.
 template <class N>
-N parse_number(std::string_view flag, std::string_view text) {
-  N value{};
+bool parse_number(std::string_view text, N& value) {
   const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
-  if (ec != std::errc() || end != text.data() + text.size())
-    throw UsageError{std::string(flag) + " expects a number, got '" + std::string(text) + "'"};
-  return value;
+  if (ec != std::errc() || end != text.data() + text.size()) return false;
+  if constexpr (std::is_floating_point_v<N>) return std::isfinite(value);
+  return true;
 }
 
-/// Walks argv one flag at a time:
-///
-///   for (cli::Args args(argc, argv); args.next();) {
-///     if (args.flag() == "-n") o.n = args.number<std::size_t>();
-///     else if (args.flag() == "--stats") o.stats = true;
-///     else args.unknown();
-///   }
-class Args {
- public:
-  Args(int argc, char** argv) : argc_(argc), argv_(argv) {}
+template <class N>
+std::string to_text(N v) {
+  if constexpr (std::is_floating_point_v<N>) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%g", static_cast<double>(v));
+    return buf;
+  } else {
+    return std::to_string(v);
+  }
+}
 
-  /// Moves to the next argument; false when there is none left.
-  bool next() {
-    if (i_ + 1 >= argc_) return false;
-    flag_ = argv_[++i_];
-    return true;
-  }
-  std::string_view flag() const { return flag_; }
-  /// The argument after the flag (consumed), or UsageError "<flag> needs a value".
-  std::string_view value() {
-    if (i_ + 1 >= argc_) throw UsageError{std::string(flag_) + " needs a value"};
-    return argv_[++i_];
-  }
-  /// value() parsed by parse_number.
-  template <class N>
-  N number() {
-    const std::string_view v = value();
-    return parse_number<N>(flag_, v);
-  }
-  /// value() as one of the named choices, or UsageError "<flag> expects a, b or c, got 'x'".
-  template <class E>
-  E choice(std::initializer_list<std::pair<std::string_view, E>> choices) {
-    const std::string_view v = value();
-    std::string names;
-    std::size_t i = 0;
-    for (const auto& [name, e] : choices) {
-      if (name == v) return e;
-      names += (i == 0 ? "" : i + 1 == choices.size() ? " or " : ", ") + std::string(name);
-      ++i;
-    }
-    throw UsageError{std::string(flag_) + " expects " + names + ", got '" + std::string(v) + "'"};
-  }
-  [[noreturn]] void unknown() const {
-    throw UsageError{"unknown argument '" + std::string(flag_) + "'"};
-  }
+/// Accepts a number of type N in [lo, hi] (or exactly `special`, when given: -1 for "no limit"
+/// or "random"). The message names the range and the text, and CLI11 puts the flag before it.
+/// With open_lo, lo itself is refused: (lo, hi].
+template <class N>
+CLI::Validator number(N lo, N hi, std::optional<N> special = std::nullopt, bool open_lo = false) {
+  std::string range = (open_lo ? "(" : "[") + to_text(lo) + ", " + to_text(hi) + "]";
+  if (special) range = to_text(*special) + " or " + range;
+  const std::string name = std::is_floating_point_v<N> ? "a finite number" : "an integer";
+  return CLI::Validator(
+      [=](std::string& text) -> std::string {
+        N v{};
+        if (!parse_number(text, v))
+          return "expects " + name + " in " + range + ", got '" + text + "'";
+        if (special && v == *special) return {};
+        if (!(v >= lo && v <= hi) || (open_lo && v == lo))
+          return "expects " + name + " in " + range + ", got " + text;
+        return {};
+      },
+      "in " + range);
+}
 
- private:
-  int argc_;
-  char** argv_;
-  int i_ = 0;  // argv_[0] is the program
-  std::string_view flag_;
-};
+/// An option that names one of a few values, stored as the enum E they map to. A wrong name
+/// gives "expects a, b or c, got 'x'".
+template <class E>
+CLI::Option* choice(CLI::App& app, const std::string& names, E& target,
+                    std::vector<std::pair<std::string, E>> choices, const std::string& help) {
+  std::string list, type, default_name;
+  for (std::size_t i = 0; i < choices.size(); ++i) {
+    list += (i == 0 ? "" : i + 1 == choices.size() ? " or " : ", ") + choices[i].first;
+    type += (i == 0 ? "" : "|") + choices[i].first;
+    if (choices[i].second == target) default_name = choices[i].first;
+  }
+  return app
+      .add_option_function<std::string>(
+          names,
+          [&target, choices](const std::string& v) {
+            for (const auto& [name, e] : choices)
+              if (name == v) target = e;
+          },
+          help)
+      ->check(CLI::Validator(
+          [choices, list](std::string& v) -> std::string {
+            for (const auto& c : choices)
+              if (c.first == v) return {};
+            return "expects " + list + ", got '" + v + "'";
+          },
+          ""))
+      ->type_name(type)
+      ->default_str(default_name);
+}
 
-/// Runs body() with the examples' exit codes: its return value; 2 after a UsageError (thrown
-/// while parsing or later, e.g. a flag the loaded model cannot honour); 1 after any other
-/// error. Either way stderr gets one line, "<program>: <message>", which a script can match.
+/// An App with the examples' conventions: the last of a repeated flag wins (as in llama.cpp),
+/// --flag=value works, --help and --version are generated.
+inline void configure(CLI::App& app, const char* version) {
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  app.set_version_flag("--version", version);
+  app.get_formatter()->column_width(30);
+}
+
+/// A kvdecode::Error's message for a person: without the "kvdecode: " prefix and the header's
+/// " [file.hpp:NNN]" suffix (kept with --verbose, for a debugger).
+inline std::string for_a_person(std::string message) {
+  constexpr std::string_view prefix = "kvdecode: ";
+  if (message.starts_with(prefix)) message.erase(0, prefix.size());
+  // Every " [name.hpp:123]", wherever a caller's context put it.
+  for (std::size_t at = message.find(" ["); at != std::string::npos; at = message.find(" [", at)) {
+    const std::size_t close = message.find(']', at);
+    const std::size_t hpp = message.find(".hpp:", at);
+    if (close != std::string::npos && hpp < close &&
+        message.find_first_not_of("0123456789", hpp + 5) == close)
+      message.erase(at, close + 1 - at);
+    else
+      at += 2;
+  }
+  return message;
+}
+
+/// Parses argv into `app`'s variables, then runs body() with the examples' exit codes: its
+/// return value; 0 after --help or --version; 2 after a parse error or a UsageError (thrown
+/// later, e.g. a flag the loaded model cannot honour); 1 after any other error. An error is one
+/// line on stderr, "<program>: <message>", which a script can match.
 template <class Body>
-int run_main(const char* program, Body&& body) {
+int run_main(CLI::App& app, int argc, char** argv, const bool& verbose, Body&& body) {
+  const std::string program = app.get_name();
   try {
+    try {
+      app.parse(argc, argv);
+    } catch (const CLI::CallForHelp&) {
+      std::fputs(app.help().c_str(), stdout);
+      return 0;
+    } catch (const CLI::CallForVersion& e) {
+      std::printf("%s %s\n", program.c_str(), e.what());
+      return 0;
+    } catch (const CLI::ParseError& e) {
+      throw UsageError{e.what()};
+    }
     return body();
   } catch (const UsageError& e) {
-    std::fprintf(stderr, "%s: %s (see %s --help)\n", program, e.message.c_str(), program);
+    std::fprintf(stderr, "%s: %s (see %s --help)\n", program.c_str(), e.message.c_str(),
+                 program.c_str());
     return 2;
   } catch (const kvdecode::Error& e) {
-    std::fprintf(stderr, "%s: %s\n", program, e.what());
+    std::fprintf(stderr, "%s: %s\n", program.c_str(),
+                 verbose ? e.what() : for_a_person(e.what()).c_str());
+  } catch (const std::bad_alloc&) {
+    std::fprintf(stderr, "%s: out of memory\n", program.c_str());
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "%s: error: %s\n", program, e.what());
+    std::fprintf(stderr, "%s: error: %s\n", program.c_str(), e.what());
   }
   return 1;
 }

@@ -1,28 +1,34 @@
 // generate: text generation with kvdecode, streaming tokens as they are sampled and reporting
 // where the time and the memory traffic went. Runs the bundled KJV model by default, any
-// llama2.c checkpoint, or a built-in random model; every store and weight type of the library.
-//
-//   generate [--model FILE|builtin] [--tokenizer FILE] [--prompt TEXT] [-n N]
-//            [--temperature T] [--top-p P] [--top-k K] [--seed S] [--ignore-bos]
-//            [--threads N] [--chunk N]
-//            [--weights f32|bf16] [--kv f32|int8|q4] [--window W] [--sinks S]
-//            [--save-cache FILE] [--load-cache FILE] [--no-cache] [--stats] [--help]
+// llama2.c checkpoint, or the library's demo model; every store and weight type of the library.
+// `generate --help` lists the flags (declared once, in declare()).
 //
 // The data path: prompt text → token ids → Model::prefill into the KV store → logits → Sampler
 // → token → Model::decode (one token against the store) → logits → ... The store and weight
-// types are compile-time parameters of the model; the flags pick them once, in run().
+// types are compile-time parameters of the model; the flags pick them once, in with_store().
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <iterator>
 #include <kvdecode/io/cache_file.hpp>
 #include <kvdecode/io/checkpoint.hpp>
 #include <kvdecode/kvdecode.hpp>
 #include <kvdecode/tokenizer.hpp>
+#include <limits>
 #include <optional>
+#include <random>
 #include <string>
 #include <string_view>
+#include <thread>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -31,175 +37,271 @@
 #ifndef KVDECODE_DEFAULT_MODEL_DIR  // set by examples/CMakeLists.txt to the repository's models/
 #define KVDECODE_DEFAULT_MODEL_DIR "models"
 #endif
+#ifndef KVDECODE_VERSION
+#define KVDECODE_VERSION "unknown"
+#endif
 
 namespace {
 
-constexpr const char* kUsage = R"(usage: generate [options]
-
-Generates text with a KV-cached transformer, streaming it to stdout, then reports the prompt and
-decode speed, the bytes a decode step reads (GB/s) and the cache size on stderr.
-
-Model
-  --model FILE        llama2.c checkpoint (v0 format), e.g. stories15M.bin. Default: the bundled
-                      models/kjv_tiny.bin (1.77M parameters trained on the King James Bible).
-                      "builtin": a small model with deterministic random weights (its text is
-                      noise, its timings are real); also used when kjv_tiny.bin is missing.
-  --tokenizer FILE    llama2.c tokenizer.bin (default: tokenizer.bin beside the model)
-  --weights TYPE      f32 (default) or bf16: weights rounded to bfloat16, half the bytes a
-                      decode step reads; arithmetic stays f32
-
-Text
-  --prompt TEXT       prompt (default "And it came to pass" for the KJV model, "Once upon a
-                      time" for the others)
-  -n N                tokens to generate (default 256); stops earlier at BOS or a full cache
-  --ignore-bos        go on after a BOS token (not printed) instead of ending the text, so
-                      that exactly N tokens are generated (benchmarks, tests)
-  --temperature T     0 = greedy (default 0.8: at 1.0 the small KJV model drifts into invented
-                      words; 0.8 keeps its spelling and rhythm and still varies)
-  --top-p P           nucleus sampling mass, 0 or 1 disables (default 0.9)
-  --top-k K           keep the K most likely tokens, 0 disables (default 0)
-  --seed S            sampler seed, > 0 (default 42)
-
-KV cache
-  --kv TYPE           f32 (default), int8 (one f32 scale per row, ~27 % of f32 at head_size
-                      64) or q4 (4-bit, per-channel key groups, ~15 %)
-  --window W          streaming window (StreamingLLM): keep the last W positions plus the
-                      sinks; generation goes on past the model's seq_len with bounded memory.
-                      Needs S + W <= seq_len; f32 only
-  --sinks S           first positions kept forever with --window (default 4)
-  --save-cache FILE   after the prompt is prefilled, save the cache to FILE (f32 store only)
-  --load-cache FILE   start from the cache in FILE: its tokens must be a prefix of the prompt's,
-                      and only the rest of the prompt is prefilled (f32 store only)
-  --no-cache          recompute the whole sequence for every token (what a KV cache saves)
-
-Run
-  --threads N         threads for every forward step (default 1)
-  --chunk N           prefill chunk: tokens per forward pass of the prompt (default 128)
-  --stats             print the report on stdout instead of stderr
-  --help              this text
-
-Exit codes: 0 done, 1 an error (a missing or corrupt file), 2 a bad command line; either
-error is one line on stderr.
-)";
-
-constexpr std::string_view kBuiltin = "builtin";
+constexpr std::string_view kDemo = "demo";
+constexpr const char* kKjvPrompt = "And it came to pass";
+constexpr const char* kStoriesPrompt = "Once upon a time";
 
 enum class WeightType { kF32, kBf16 };
-enum class KvType { kF32, kInt8, kQ4 };
+enum class KvType { kF32, kInt8, kQ4, kPaged };
 
 struct Options {
-  std::string model;  // "" = the bundled KJV model, kBuiltin = the random one, else a file
+  std::string model;  // "" = the bundled KJV model, kDemo = the demo model, else a file
   std::string tokenizer;
   std::optional<std::string> prompt;  // unset: the model's default prompt
-  std::size_t n = 256;
+  std::string prompt_file;
+  std::int64_t n = 256;  // -1: until the context (or, with a window, never) ends
   double temperature = 0.8;
   double top_p = 0.9;
   std::int64_t top_k = 0;
-  std::uint64_t seed = 42;
-  std::size_t threads = 1;
+  double min_p = 0.0;
+  double repeat_penalty = 1.0;
+  std::size_t repeat_last_n = 64;
+  std::vector<std::string> stop;
+  std::int64_t seed = 42;  // -1: random
+  std::size_t threads = std::max(1u, std::thread::hardware_concurrency());
   std::size_t chunk = 128;
+  std::size_t ctx = 0;  // 0 = the model's seq_len
   WeightType weights = WeightType::kF32;
   KvType kv = KvType::kF32;
+  std::size_t block_size = 16;
   std::size_t window = 0;  // 0 = no window
   std::optional<std::size_t> sinks;
   std::string save_cache;
   std::string load_cache;
   bool ignore_bos = false;
   bool no_cache = false;
+  bool interactive = false;
   bool stats_to_stdout = false;
+  bool verbose = false;
 };
 
-Options parse(int argc, char** argv) {
-  Options o;
-  for (cli::Args args(argc, argv); args.next();) {
-    const std::string_view a = args.flag();
-    if (a == "--help" || a == "-h") {
-      std::fputs(kUsage, stdout);
-      std::exit(0);
-    } else if (a == "--model") {
-      o.model = args.value();
-    } else if (a == "--tokenizer") {
-      o.tokenizer = args.value();
-    } else if (a == "--prompt") {
-      o.prompt = std::string(args.value());
-    } else if (a == "-n") {
-      o.n = args.number<std::size_t>();
-    } else if (a == "--temperature") {
-      o.temperature = args.number<double>();
-    } else if (a == "--top-p") {
-      o.top_p = args.number<double>();
-    } else if (a == "--top-k") {
-      o.top_k = args.number<std::int64_t>();
-    } else if (a == "--seed") {
-      o.seed = args.number<std::uint64_t>();
-    } else if (a == "--threads") {
-      o.threads = args.number<std::size_t>();
-    } else if (a == "--chunk") {
-      o.chunk = args.number<std::size_t>();
-    } else if (a == "--weights") {
-      o.weights = args.choice<WeightType>({{"f32", WeightType::kF32}, {"bf16", WeightType::kBf16}});
-    } else if (a == "--kv") {
-      o.kv = args.choice<KvType>(
-          {{"f32", KvType::kF32}, {"int8", KvType::kInt8}, {"q4", KvType::kQ4}});
-    } else if (a == "--window") {
-      o.window = args.number<std::size_t>();
-      if (o.window == 0) throw cli::UsageError{"--window must be >= 1"};
-    } else if (a == "--sinks") {
-      o.sinks = args.number<std::size_t>();
-    } else if (a == "--save-cache") {
-      o.save_cache = args.value();
-    } else if (a == "--load-cache") {
-      o.load_cache = args.value();
-    } else if (a == "--ignore-bos") {
-      o.ignore_bos = true;
-    } else if (a == "--no-cache") {
-      o.no_cache = true;
-    } else if (a == "--stats") {
-      o.stats_to_stdout = true;
-    } else {
-      args.unknown();
-    }
+// ---------------------------------------------------------------------------------------------
+// The flags: each declared once, with its names, default, help and validation.
+
+constexpr std::size_t kMaxCount = std::size_t{1} << 31;  // bound of every count flag
+
+void declare(CLI::App& app, Options& o) {
+  using cli::number;
+  const auto hw = static_cast<std::size_t>(std::max(1u, std::thread::hardware_concurrency()));
+  app.description(
+      "Generates text with a KV-cached transformer, streaming it to stdout, then reports load, "
+      "prompt and decode times, the bytes a decode step reads (GB/s) and the cache size on "
+      "stderr.");
+  app.footer(
+      "Exit codes: 0 done, 1 an error (a missing or corrupt file), 2 a bad command line, 130 "
+      "stopped by Ctrl-C (the report is still printed). An error is one line on stderr.");
+
+  const char* model = "Model";
+  app.add_option("-m,--model", o.model,
+                 "llama2.c checkpoint (v0 format), e.g. stories15M.bin. Default: the bundled "
+                 "models/kjv_tiny.bin (1.77M parameters trained on the King James Bible). "
+                 "\"demo\": the library's demo model, deterministic random weights (its text is "
+                 "noise, its timings are real); also used when kjv_tiny.bin is missing")
+      ->group(model);
+  app.add_option("--tokenizer", o.tokenizer,
+                 "llama2.c tokenizer.bin (default: tokenizer.bin beside the model); must have "
+                 "the checkpoint's vocabulary size")
+      ->group(model);
+  cli::choice(app, "--weights", o.weights, {{"f32", WeightType::kF32}, {"bf16", WeightType::kBf16}},
+              "f32, or bf16: weights rounded to bfloat16, half the bytes a decode step reads; "
+              "arithmetic stays f32")
+      ->group(model);
+
+  const char* text = "Text";
+  app.add_option("-p,--prompt", o.prompt,
+                 "prompt (default \"And it came to pass\" for the KJV model, \"Once upon a "
+                 "time\" for the others); UTF-8 is echoed as written")
+      ->group(text);
+  app.add_option("-f,--file", o.prompt_file, "read the prompt from a file")
+      ->check(CLI::ExistingFile)
+      ->group(text);
+  app.add_option("-n,--n-predict", o.n,
+                 "tokens to generate; -1: until the context ends (with --window: until BOS, a "
+                 "stop string or Ctrl-C). Stops earlier at BOS or a full cache")
+      ->check(number<std::int64_t>(1, std::numeric_limits<std::int64_t>::max(), -1))
+      ->capture_default_str()
+      ->group(text);
+  app.add_flag("--ignore-bos", o.ignore_bos,
+               "go on after a BOS token (not printed) instead of ending the text, so that "
+               "exactly N tokens are generated (benchmarks, tests)")
+      ->group(text);
+  app.add_option("--stop", o.stop, "stop string: the text ends before it (repeatable)")
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll)
+      ->group(text);
+  app.add_flag("-i,--interactive", o.interactive,
+               "chat: each line on stdin is a turn, answered from one cache kept across turns; "
+               "stderr says per turn how many tokens were prefilled and reused")
+      ->group(text);
+
+  const char* sampling = "Sampling";
+  app.add_option("--temperature,--temp", o.temperature,
+                 "0 = greedy (0.8: at 1.0 the small KJV model drifts into invented words; 0.8 "
+                 "keeps its spelling and rhythm and still varies)")
+      ->check(number<double>(0, 100))
+      ->capture_default_str()
+      ->group(sampling);
+  app.add_option("--top-p", o.top_p, "nucleus sampling mass in (0, 1]; 1 disables it")
+      ->check(number<double>(0, 1, std::nullopt, /*open_lo=*/true))
+      ->capture_default_str()
+      ->group(sampling);
+  app.add_option("--top-k", o.top_k, "keep the K most likely tokens, 0 disables it")
+      ->check(number<std::int64_t>(0, static_cast<std::int64_t>(kMaxCount)))
+      ->capture_default_str()
+      ->group(sampling);
+  app.add_option("--min-p", o.min_p,
+                 "drop tokens less likely than min-p x the most likely one; 0 disables it")
+      ->check(number<double>(0, 1))
+      ->capture_default_str()
+      ->group(sampling);
+  app.add_option("--repeat-penalty", o.repeat_penalty,
+                 "divide a recent token's positive logit by this (multiply a negative one); 1 "
+                 "disables it. Greedy KJV output loops without it (1.3 breaks the loops)")
+      ->check(number<double>(0, 100, std::nullopt, /*open_lo=*/true))
+      ->capture_default_str()
+      ->group(sampling);
+  app.add_option("--repeat-last-n", o.repeat_last_n, "how many recent tokens are penalised")
+      ->check(number<std::size_t>(0, kMaxCount))
+      ->capture_default_str()
+      ->group(sampling);
+  app.add_option("-s,--seed", o.seed, "sampler seed, > 0, or -1 for a random one")
+      ->check(number<std::int64_t>(1, std::numeric_limits<std::int64_t>::max(), -1))
+      ->capture_default_str()
+      ->group(sampling);
+
+  const char* kv = "KV cache";
+  cli::choice(app, "--kv", o.kv,
+              {{"f32", KvType::kF32},
+               {"int8", KvType::kInt8},
+               {"q4", KvType::kQ4},
+               {"paged", KvType::kPaged}},
+              "f32 (ContiguousStore), int8 (one f32 scale per row), q4 (4-bit, per-channel key "
+              "groups) or paged (PagedStore on a BlockPool); the report gives each one's bytes "
+              "per position")
+      ->group(kv);
+  app.add_option("-c,--ctx-size", o.ctx,
+                 "positions the cache holds, at most the model's seq_len (default: seq_len)")
+      ->check(number<std::size_t>(1, kMaxCount))
+      ->group(kv);
+  app.add_option("--block-size", o.block_size, "positions per block with --kv paged")
+      ->check(number<std::size_t>(1, 4096))
+      ->capture_default_str()
+      ->group(kv);
+  app.add_option("--window", o.window,
+                 "streaming window (StreamingLLM): keep the last W positions plus the sinks; "
+                 "generation goes on past the model's seq_len with bounded memory. Needs S + W <= "
+                 "seq_len; f32 only")
+      ->check(number<std::size_t>(1, kMaxCount))
+      ->group(kv);
+  app.add_option("--sinks", o.sinks, "first positions kept forever with --window (default 4)")
+      ->check(number<std::size_t>(0, kMaxCount))
+      ->group(kv);
+  app.add_option("--save-cache", o.save_cache,
+                 "after the prompt is prefilled, save the cache to FILE (checked writable first)")
+      ->group(kv);
+  app.add_option("--load-cache", o.load_cache,
+                 "start from the cache in FILE: the longest prefix it shares with the prompt is "
+                 "reused, the rest of the prompt prefilled")
+      ->check(CLI::ExistingFile)
+      ->group(kv);
+  app.add_flag("--no-cache", o.no_cache,
+               "recompute the whole sequence for every token (what a KV cache saves)")
+      ->group(kv);
+
+  const char* run = "Run";
+  app.add_option("-t,--threads", o.threads, "threads for every forward step (default: the cores)")
+      ->check(number<std::size_t>(1, hw))
+      ->group(run);
+  app.add_option("--chunk", o.chunk,
+                 "prefill chunk: tokens per forward pass of the prompt (at most the prompt and "
+                 "the context are used)")
+      ->check(number<std::size_t>(1, kMaxCount))
+      ->capture_default_str()
+      ->group(run);
+  app.add_flag("--stats", o.stats_to_stdout, "print the report on stdout instead of stderr")
+      ->group(run);
+  app.add_flag("--verbose", o.verbose, "errors name the library header and line")->group(run);
+}
+
+/// The store kinds the flags can ask for, each a type: the one place a runtime choice becomes
+/// a type. f(std::type_identity<S>{}) for the kind `o` asks for.
+template <class F>
+decltype(auto) with_store_type(const Options& o, F&& f) {
+  using namespace kvdecode;
+  if (o.window > 0) return f(std::type_identity<WindowStore<float>>{});
+  switch (o.kv) {
+    case KvType::kInt8:
+      return f(std::type_identity<Int8Store<float>>{});
+    case KvType::kQ4:
+      return f(std::type_identity<Q4Store<float>>{});
+    case KvType::kPaged:
+      return f(std::type_identity<PagedStore<float>>{});
+    case KvType::kF32:
+      break;
   }
+  return f(std::type_identity<ContiguousStore<float>>{});
+}
+
+/// Whether io/cache_file.hpp can save and restore store S.
+template <class S>
+constexpr bool kCacheFileHolds = requires {
+  kvdecode::CacheFileStore<S>::kKind;
+};
+
+/// Whether `path` can be written: an existing writable file, or a new one in a writable folder.
+bool writable(const std::filesystem::path& path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (fs::is_directory(path, ec)) return false;
+  if (fs::exists(path, ec)) return ::access(path.c_str(), W_OK) == 0;
+  const fs::path dir = path.has_parent_path() ? path.parent_path() : fs::path(".");
+  return fs::is_directory(dir, ec) && ::access(dir.c_str(), W_OK) == 0;
+}
+
+/// The checks between flags, before any file is read.
+void check(const Options& o) {
   using cli::UsageError;
-  if (o.temperature < 0) throw UsageError{"--temperature must be >= 0"};
-  if (o.top_k < 0) throw UsageError{"--top-k must be >= 0"};
-  if (o.seed == 0) throw UsageError{"--seed must be > 0"};
-  if (o.threads == 0) throw UsageError{"--threads must be >= 1"};
-  if (o.chunk == 0) throw UsageError{"--chunk must be >= 1"};
-  if (!o.tokenizer.empty() && (o.model.empty() || o.model == kBuiltin))
+  if (!o.tokenizer.empty() && (o.model.empty() || o.model == kDemo))
     throw UsageError{
         "--tokenizer needs --model FILE (the vocabulary size comes from the checkpoint)"};
+  if (o.prompt && !o.prompt_file.empty())
+    throw UsageError{"--prompt and --file both give the prompt; pass one"};
+  if (o.interactive && (o.prompt || !o.prompt_file.empty()))
+    throw UsageError{"--interactive reads its turns from stdin; it takes no --prompt or --file"};
+  if (o.interactive && o.no_cache)
+    throw UsageError{"--interactive keeps one cache across turns; it cannot use --no-cache"};
   if (o.sinks && o.window == 0) throw UsageError{"--sinks needs --window"};
   if (o.window > 0 && o.kv != KvType::kF32)
-    throw UsageError{"--window keeps f32 rows and cannot be combined with --kv int8 or q4"};
+    throw UsageError{"--window keeps f32 rows and cannot be combined with --kv int8, q4 or paged"};
   if (o.window > 0 && o.no_cache)
     throw UsageError{"--no-cache recomputes everything; it cannot be combined with --window"};
+  if (o.window > 0 && o.ctx > 0)
+    throw UsageError{"--ctx-size bounds a whole-history cache; --window bounds its own memory"};
   const bool cache_file = !o.save_cache.empty() || !o.load_cache.empty();
-  if (cache_file && (o.kv != KvType::kF32 || o.window > 0))
-    throw UsageError{
-        "--save-cache and --load-cache need the f32 store (no --kv int8/q4, no --window)"};
   if (cache_file && o.no_cache)
     throw UsageError{"--save-cache and --load-cache cannot be combined with --no-cache"};
-  return o;
+  if (cache_file) {
+    with_store_type(o, [&]<class S>(std::type_identity<S>) {
+      if constexpr (!kCacheFileHolds<S>)
+        throw UsageError{
+            "--save-cache and --load-cache: the cache file format does not hold this store yet "
+            "(it holds --kv f32 without --window)"};
+    });
+  }
+  if (!o.save_cache.empty() && !writable(o.save_cache))
+    throw UsageError{"--save-cache: cannot write '" + o.save_cache + "'"};
 }
 
 // ---------------------------------------------------------------------------------------------
-// The built-in model: llama2.c's tokenizer layout (<unk>, BOS, EOS, 256 byte tokens, printable
-// ASCII) plus common English pieces, and GQA weights drawn from a fixed seed.
+// The demo model's vocabulary: llama2.c's tokenizer layout (<unk>, BOS, EOS, 256 byte tokens,
+// printable ASCII) plus common English pieces.
 
-kvdecode::ModelConfig builtin_config() {
-  kvdecode::ModelConfig c;
-  c.dim = 256;
-  c.hidden_dim = 768;
-  c.n_layers = 4;
-  c.n_heads = 8;
-  c.n_kv_heads = 4;
-  c.vocab_size = 512;
-  c.seq_len = 1024;
-  return c;
-}
-
-kvdecode::Tokenizer builtin_tokenizer(std::int64_t vocab_size) {
+kvdecode::Tokenizer demo_tokenizer(std::int64_t vocab_size) {
   static constexpr const char* kWords[] = {
       "the",     "and",   "was",    "to",     "a",      "he",      "she",    "they",    "it",
       "of",      "in",    "day",    "time",   "once",   "upon",    "there",  "little",  "big",
@@ -244,41 +346,75 @@ kvdecode::Tokenizer builtin_tokenizer(std::int64_t vocab_size) {
 // ---------------------------------------------------------------------------------------------
 // Where the weights and the vocabulary come from.
 
+using Clock = std::chrono::steady_clock;
+double ms_since(Clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+}
+
 struct Source {
   std::string name;  // for the report
   kvdecode::Weights<float> weights;
   kvdecode::Tokenizer tokenizer;
-  std::vector<std::int32_t> prompt;  // [prompt tokens] BOS, then --prompt or the model's default
+  std::string default_prompt;
+  double load_ms = 0;
 };
+
+/// Whether two files hold the same bytes (the bundled KJV model under any name or path).
+bool same_contents(const std::filesystem::path& a, const std::filesystem::path& b) {
+  std::error_code ec;
+  if (std::filesystem::file_size(a, ec) != std::filesystem::file_size(b, ec) || ec) return false;
+  std::ifstream fa(a, std::ios::binary), fb(b, std::ios::binary);
+  return std::equal(std::istreambuf_iterator<char>(fa), std::istreambuf_iterator<char>(),
+                    std::istreambuf_iterator<char>(fb), std::istreambuf_iterator<char>());
+}
 
 Source load_source(const Options& o) {
   namespace fs = std::filesystem;
   using kvdecode::Tokenizer;
+  const auto t0 = Clock::now();
+  const fs::path kjv = fs::path(KVDECODE_DEFAULT_MODEL_DIR) / "kjv_tiny.bin";
   fs::path model = o.model;
-  std::string default_prompt = "Once upon a time";
   if (o.model.empty()) {
-    model = fs::path(KVDECODE_DEFAULT_MODEL_DIR) / "kjv_tiny.bin";
+    model = kjv;
     if (!fs::exists(model)) {
-      std::fprintf(stderr, "generate: %s not found; running the built-in random model\n",
+      std::fprintf(stderr, "generate: %s not found; running the demo model\n",
                    model.string().c_str());
-      model = std::string(kBuiltin);
-    } else {
-      default_prompt = "And it came to pass";
+      model = std::string(kDemo);
     }
   }
-  const std::string text = o.prompt.value_or(default_prompt);
-  if (model == kBuiltin) {
-    Tokenizer tokenizer = builtin_tokenizer(builtin_config().vocab_size);
-    std::vector<std::int32_t> ids = tokenizer.encode(text, /*bos=*/true);
-    return {"built-in random", kvdecode::random_weights<float>(builtin_config(), 2026),
-            std::move(tokenizer), std::move(ids)};
+  if (model == kDemo) {
+    Tokenizer tokenizer = demo_tokenizer(kvdecode::demo_config().vocab_size);
+    return {"demo (random weights)", kvdecode::demo_weights<float>(), std::move(tokenizer),
+            kStoriesPrompt, ms_since(t0)};
   }
   kvdecode::Weights<float> weights = kvdecode::load_checkpoint(model);
   const fs::path tok =
       o.tokenizer.empty() ? model.parent_path() / "tokenizer.bin" : fs::path(o.tokenizer);
-  Tokenizer tokenizer = Tokenizer::load(tok, weights.config.vocab_size);
-  std::vector<std::int32_t> ids = tokenizer.encode(text, /*bos=*/true);
-  return {model.string(), std::move(weights), std::move(tokenizer), std::move(ids)};
+  std::optional<Tokenizer> tokenizer;
+  try {
+    tokenizer.emplace(Tokenizer::load(tok, weights.config.vocab_size));
+  } catch (const kvdecode::Error& e) {
+    throw kvdecode::Error(std::string(e.what()) + " (the checkpoint '" + model.string() +
+                          "' has vocab_size " + std::to_string(weights.config.vocab_size) +
+                          "; pass its tokenizer with --tokenizer)");
+  }
+  // The model's identity, not its path, picks the default prompt (read only when needed).
+  std::error_code ec;
+  const bool needs_default = !o.prompt && o.prompt_file.empty() && !o.interactive;
+  const bool is_kjv = needs_default && fs::exists(kjv, ec) &&
+                      (fs::equivalent(model, kjv, ec) || same_contents(model, kjv));
+  return {model.string(), std::move(weights), std::move(*tokenizer),
+          is_kjv ? kKjvPrompt : kStoriesPrompt, ms_since(t0)};
+}
+
+std::string prompt_text(const Options& o, const Source& src) {
+  if (o.prompt) return *o.prompt;
+  if (o.prompt_file.empty()) return src.default_prompt;
+  std::ifstream f(o.prompt_file, std::ios::binary);
+  std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  if (text.ends_with('\n')) text.pop_back();  // the newline an editor ends a file with
+  KVDECODE_CHECK(!text.empty(), "prompt file '", o.prompt_file, "' is empty");
+  return text;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -286,15 +422,9 @@ Source load_source(const Options& o) {
 
 using kvdecode::ContiguousStore;
 using kvdecode::Int8Store;
+using kvdecode::PagedStore;
 using kvdecode::Q4Store;
 using kvdecode::WindowStore;
-
-/// Tokens per prefill pass: --chunk, or what the window's ring was sized for.
-template <class S>
-std::size_t prefill_chunk(const S&, std::size_t chunk) {
-  return chunk;
-}
-std::size_t prefill_chunk(const WindowStore<float>& s, std::size_t) { return s.max_chunk(); }
 
 /// What the store's memory_bytes() hold.
 template <class S>
@@ -305,64 +435,102 @@ std::string reserved_for(const WindowStore<float>& s) {
   return std::to_string(s.sinks() + s.window() - 1 + s.max_chunk()) +
          " rows (S + W - 1 + chunk), whatever the length";
 }
+std::string reserved_for(const PagedStore<float>& s) {
+  return std::to_string(s.size()) + " positions held (blocks are taken as the sequence grows)";
+}
 
 std::string describe(const ContiguousStore<float>&) { return "f32 (ContiguousStore)"; }
 std::string describe(const Int8Store<float>&) { return "int8 (Int8Store, f32 scale per row)"; }
 std::string describe(const Q4Store<float>&) { return "q4 (Q4Store, key groups of 64)"; }
+std::string describe(const PagedStore<float>&) { return "f32 paged (PagedStore on a BlockPool)"; }
 std::string describe(const WindowStore<float>& s) {
   return "f32 window " + std::to_string(s.window()) + " + " + std::to_string(s.sinks()) +
          " sinks (WindowStore, streaming)";
 }
 
 // ---------------------------------------------------------------------------------------------
-// Generation over one model and store type.
+// Ctrl-C: the generation stops after the current token, the report is printed, exit code 130.
 
-using Clock = std::chrono::steady_clock;
-double ms_since(Clock::time_point t0) {
-  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+volatile std::sig_atomic_t g_interrupted = 0;
+extern "C" void on_sigint(int) { g_interrupted = 1; }
+
+/// The text of a token as the terminal should get it: run.c's safe_printf rule (a lone
+/// control byte is dropped), except that a raw byte >= 0x80 is kept, as it is part of a UTF-8
+/// character that TextStream assembles.
+std::string_view shown_piece(std::string_view piece) {
+  if (piece.size() == 1 && static_cast<unsigned char>(piece[0]) >= 0x80) return piece;
+  return kvdecode::Tokenizer::printed_text(piece);
 }
 
+void write_out(std::string_view text) {
+  std::fwrite(text.data(), 1, text.size(), stdout);
+  std::fflush(stdout);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Generation over one model and store type.
+
+struct Run {
+  const Options& o;
+  const Source& src;
+  std::vector<std::int32_t> prompt;  // BOS, then the prompt's tokens
+  std::uint64_t seed = 0;
+  Clock::time_point start;
+};
+
 /// Restores a saved prompt prefix, runs kvdecode::generate() (saving the cache once the prompt
-/// is in), streams the text and reports where the time and the bytes went.
+/// is in), streams the text and reports where the time and the bytes went. One path for every
+/// store.
 template <class W, kvdecode::KvStore S>
-int generate_with(const Options& o, const Source& src, const kvdecode::Model<float, W>& model,
-                  S& cache, kvdecode::ThreadPool& pool) {
+int generate_with(const Run& run, const kvdecode::Model<float, W>& model, S& cache,
+                  kvdecode::ThreadPool& pool, std::size_t chunk) {
   using namespace kvdecode;
+  const Options& o = run.o;
   const ModelConfig& cfg = model.config();
-  const Tokenizer& tokenizer = src.tokenizer;
-  const std::vector<std::int32_t>& prompt = src.prompt;
-  Activations<float> act(cfg, prefill_chunk(cache, o.chunk), cache.block_scratch_size(), &pool);
+  const Tokenizer& tokenizer = run.src.tokenizer;
+  const std::vector<std::int32_t>& prompt = run.prompt;
+  Activations<float> act(cfg, chunk, cache.block_scratch_size(), &pool);
   WorkCounters counters;
   act.counters = &counters;
-  Sampler sampler(cfg.vocab_size, SamplerOptions{o.temperature, o.top_p, o.top_k, o.seed});
+  SamplerOptions so{o.temperature, o.top_p, o.top_k, run.seed};
+  so.min_p = o.min_p;
+  so.repeat_penalty = o.repeat_penalty;
+  so.repeat_last_n = o.repeat_last_n;
+  Sampler sampler(cfg.vocab_size, so);
+  std::FILE* out = o.stats_to_stdout ? stdout : stderr;
 
-  // Restore a saved prefix of the prompt (checked against the prompt's tokens) and its
-  // fingerprint of the weights, computed once for both restore and save.
+  // The cache file: the fingerprint of the weights, computed once for restore and save.
   std::optional<ModelFingerprint> fingerprint;
-  if (!o.load_cache.empty() || !o.save_cache.empty()) fingerprint = model_fingerprint(model);
-  std::size_t from_file = 0;
-  if (!o.load_cache.empty()) {
-    if constexpr (std::is_same_v<S, ContiguousStore<float>>) {
-      from_file = restore_prompt_prefix(*fingerprint, cache, prompt, o.load_cache);
+  std::size_t from_file = 0, in_file = 0;
+  double load_cache_ms = 0;
+  if constexpr (kCacheFileHolds<S>) {
+    if (!o.load_cache.empty() || !o.save_cache.empty()) fingerprint = model_fingerprint(model);
+    if (!o.load_cache.empty()) {
+      // The longest common prefix of the saved tokens and the prompt, at most all but the
+      // prompt's last token (its logits start the generation).
+      const auto t0 = Clock::now();
+      restore_cache(*fingerprint, cache, o.load_cache);
+      in_file = cache.size();
+      const std::span<const std::int32_t> saved = cache.tokens();
+      const std::size_t limit = std::min(saved.size(), prompt.size() - 1);
+      while (from_file < limit && saved[from_file] == prompt[from_file]) ++from_file;
+      cache.truncate(from_file);
+      load_cache_ms = ms_since(t0);
     }
   }
 
-  KVDECODE_CHECK(prompt.size() - from_file <= cache.capacity() - cache.size(), "the prompt has ",
-                 prompt.size(), " tokens but the cache holds at most ", cache.capacity());
-
-  // Echo the prompt as run.c does: every piece after BOS, through its safe_printf rule.
+  // Echo the prompt: every piece after BOS, whole UTF-8 characters only.
+  TextStream echo;
   for (std::size_t i = 1; i < prompt.size(); ++i)
-    std::fputs(
-        std::string(Tokenizer::printed_text(tokenizer.decode(prompt[i - 1], prompt[i]))).c_str(),
-        stdout);
-  std::fflush(stdout);
+    write_out(echo.push(shown_piece(tokenizer.decode(prompt[i - 1], prompt[i]))));
+  write_out(echo.flush());
 
   // After the prompt: save the cache, then count the decode steps' work only.
   double save_ms = 0;
   std::size_t saved = 0;
   const auto after_prompt = [&] {
-    if (!o.save_cache.empty()) {
-      if constexpr (std::is_same_v<S, ContiguousStore<float>>) {
+    if constexpr (kCacheFileHolds<S>) {
+      if (!o.save_cache.empty()) {
         const auto t0 = Clock::now();
         save_cache(*fingerprint, cache, o.save_cache);
         save_ms = ms_since(t0);
@@ -371,70 +539,77 @@ int generate_with(const Options& o, const Source& src, const kvdecode::Model<flo
     saved = cache.size();
     counters = WorkCounters{};
   };
-  // Each token: print it (a BOS ends the text as in run.c, or is skipped with --ignore-bos).
+  // Each token: shown through the TextStream (whole UTF-8 characters, the text before a stop
+  // string; a BOS ends the text as in run.c, or is skipped with --ignore-bos).
   std::int32_t prev = prompt.back();
+  TextStream text(o.stop);
   const auto on_token = [&](std::int32_t token) {
-    if (token != Tokenizer::kBos) {
-      const std::string_view text = Tokenizer::printed_text(tokenizer.decode(prev, token));
-      std::fwrite(text.data(), 1, text.size(), stdout);
-      std::fflush(stdout);
-    }
+    if (token != Tokenizer::kBos) write_out(text.push(shown_piece(tokenizer.decode(prev, token))));
     prev = token;
+    return !text.stopped() && g_interrupted == 0;
   };
   GenerationOptions go;
-  go.max_new_tokens = o.n;
+  go.max_new_tokens =
+      o.n < 0 ? std::numeric_limits<std::size_t>::max() : static_cast<std::size_t>(o.n);
   go.stop_token = o.ignore_bos ? -1 : Tokenizer::kBos;
   go.use_cache = !o.no_cache;
   const GenerationStats st = generate(model, cache, act, std::span(prompt).subspan(from_file),
                                       sampler, go, on_token, after_prompt);
-  std::fputs("\n", stdout);
-  std::fflush(stdout);
+  write_out(text.flush());
+  write_out("\n");
 
   // ---- report ----
-  std::FILE* out = o.stats_to_stdout ? stdout : stderr;
   const auto ll = [](auto v) { return static_cast<long long>(v); };
   std::fprintf(out,
                "model              %s (dim %lld, %lld layers, %lld/%lld heads, vocab %lld, "
                "seq_len %lld)\n",
-               src.name.c_str(), ll(cfg.dim), ll(cfg.n_layers), ll(cfg.n_heads), ll(cfg.n_kv_heads),
-               ll(cfg.vocab_size), ll(cfg.seq_len));
+               run.src.name.c_str(), ll(cfg.dim), ll(cfg.n_layers), ll(cfg.n_heads),
+               ll(cfg.n_kv_heads), ll(cfg.vocab_size), ll(cfg.seq_len));
   std::fprintf(out, "weights            %s, %zu bytes\n", std::is_same_v<W, bf16> ? "bf16" : "f32",
                model.weights().bytes());
+  std::fprintf(out, "load               %.2f ms (weights and tokenizer)\n", run.src.load_ms);
   std::fprintf(out, "KV store           %s, %zu bytes reserved for %s\n", describe(cache).c_str(),
                cache.memory_bytes(), reserved_for(cache).c_str());
-  if constexpr (std::is_same_v<S, ContiguousStore<float>>) {
-    const std::size_t formula = 2 * static_cast<std::size_t>(cfg.n_layers) * cache.capacity() *
-                                static_cast<std::size_t>(cfg.kv_dim()) * sizeof(float);
-    std::fprintf(out,
-                 "                   formula 2 x %lld layers x %zu positions x %lld kv_dim x 4 B "
-                 "= %zu\n",
-                 ll(cfg.n_layers), cache.capacity(), ll(cfg.kv_dim()), formula);
-  }
-  std::fprintf(out, "mode               %s, %zu thread(s)\n",
+  const double per_position = kv_bytes_per_position(cache, cfg);
+  const double f32_per_position = 2.0 * static_cast<double>(cfg.n_layers * cfg.kv_dim()) * 4;
+  std::fprintf(out, "                   %.1f bytes per position, %.1f %% of f32\n", per_position,
+               100.0 * per_position / f32_per_position);
+  std::fprintf(out, "mode               %s, %zu thread(s), prefill chunk %zu\n",
                o.no_cache ? "no cache (full recompute per token)" : "KV cache",
-               act.pool == nullptr ? std::size_t{1} : act.pool->size());
-  std::fprintf(out, "sampling           temperature %g, top-p %g, top-k %lld, seed %llu\n",
-               o.temperature, o.top_p, ll(o.top_k), static_cast<unsigned long long>(o.seed));
+               act.pool == nullptr ? std::size_t{1} : act.pool->size(), act.max_tokens);
+  std::fprintf(out,
+               "sampling           temperature %g, top-p %g, top-k %lld, min-p %g, repeat "
+               "penalty %g (last %zu), seed %llu\n",
+               o.temperature, o.top_p, ll(o.top_k), o.min_p, o.repeat_penalty, o.repeat_last_n,
+               static_cast<unsigned long long>(run.seed));
   std::fprintf(out, "prompt tokens      %zu", prompt.size());
   if (!o.load_cache.empty())
-    std::fprintf(out, " (%zu from cache file %s)", from_file, o.load_cache.c_str());
+    std::fprintf(out, " (%zu reused from cache file %s, which held %zu)", from_file,
+                 o.load_cache.c_str(), in_file);
   std::fputs("\n", out);
+  if (!o.load_cache.empty())
+    std::fprintf(out, "cache loaded       in %.2f ms (not in time to first token)\n",
+                 load_cache_ms);
   std::fprintf(out, "generated tokens   %zu%s\n", st.generated_tokens,
-               st.hit_stop_token ? " (stopped at BOS)"
-               : st.hit_capacity ? " (cache full)"
-                                 : "");
+               g_interrupted       ? " (interrupted)"
+               : text.stopped()    ? " (stop string)"
+               : st.hit_stop_token ? " (stopped at BOS)"
+               : st.hit_capacity   ? " (cache full)"
+                                   : "");
   std::fprintf(out, "prefill            %.2f ms, %.1f tok/s (%zu tokens)\n", st.prefill_ms,
                st.prefill_tokens_per_s(), st.prompt_tokens);
   if (!o.save_cache.empty())
-    std::fprintf(out, "cache saved        %s (%zu positions) in %.2f ms\n", o.save_cache.c_str(),
-                 saved, save_ms);
-  std::fprintf(out, "time to first tok  %.2f ms\n", st.ttft_ms);
+    std::fprintf(out,
+                 "cache saved        %s (%zu positions) in %.2f ms (not in time to first token)\n",
+                 o.save_cache.c_str(), saved, save_ms);
+  std::fprintf(out, "time to first tok  %.2f ms\n", st.ttft_ms - save_ms);
   const std::size_t steps = st.decode_steps();  // all but the first token
   const double tok_s = st.decode_tokens_per_s();
   const double decode_ms = st.decode_ms;
+  const double ms_per_token = steps > 0 ? decode_ms / static_cast<double>(steps) : 0.0;
   if (o.no_cache) {
-    std::fprintf(out, "decode             %.1f tok/s (%zu tokens in %.2f ms)\n", tok_s, steps,
-                 decode_ms);
+    std::fprintf(out, "decode             %.1f tok/s, %.3f ms per token (%zu tokens in %.2f ms)\n",
+                 tok_s, ms_per_token, steps, decode_ms);
   } else {
     // Bytes the decode steps streamed, as WorkCounters count them: every weight once per step
     // and the K/V bytes each store says attention read.
@@ -443,69 +618,149 @@ int generate_with(const Options& o, const Source& src, const kvdecode::Model<flo
     const double bytes = weight_bytes + kv_bytes_read;
     const double per_step = steps > 0 ? 1.0 / static_cast<double>(steps) : 0.0;
     std::fprintf(out,
-                 "decode             %.1f tok/s, %.2f GB/s (%zu tokens in %.2f ms; per token "
-                 "%.3f MB weights + %.3f MB KV)\n",
-                 tok_s, decode_ms > 0 ? bytes / (decode_ms * 1e6) : 0.0, steps, decode_ms,
-                 weight_bytes * per_step / 1e6, kv_bytes_read * per_step / 1e6);
+                 "decode             %.1f tok/s, %.2f GB/s, %.3f ms per token (%zu tokens in "
+                 "%.2f ms; per token %.3f MB weights + %.3f MB KV)\n",
+                 tok_s, decode_ms > 0 ? bytes / (decode_ms * 1e6) : 0.0, ms_per_token, steps,
+                 decode_ms, weight_bytes * per_step / 1e6, kv_bytes_read * per_step / 1e6);
   }
-  return 0;
+  std::fprintf(out, "total              %.2f ms\n", ms_since(run.start));
+  return g_interrupted ? 130 : 0;
 }
 
-/// Builds the store the flags ask for and runs the generation over it: the one place a runtime
-/// choice becomes a type.
-template <class W>
-int generate_with_store(const Options& o, const Source& src, const kvdecode::Model<float, W>& model,
-                        kvdecode::ThreadPool& pool) {
+/// Chat: each stdin line is a turn appended to one cache; the answer is generated after it.
+template <class W, kvdecode::KvStore S>
+int chat_with(const Run& run, const kvdecode::Model<float, W>& model, S& cache,
+              kvdecode::ThreadPool& pool, std::size_t chunk) {
   using namespace kvdecode;
+  const Options& o = run.o;
   const ModelConfig& cfg = model.config();
-  if (o.window > 0) {
-    const std::size_t sinks = o.sinks.value_or(4);
-    if (sinks + o.window > static_cast<std::size_t>(cfg.seq_len))
-      throw cli::UsageError{"--sinks + --window = " + std::to_string(sinks + o.window) +
-                            " exceeds the model's seq_len " + std::to_string(cfg.seq_len)};
-    WindowOptions wo;
-    wo.window = o.window;
-    wo.sinks = sinks;
-    wo.policy = WindowPolicy::kStreaming;
-    // No prefill chunk is longer than S + W (generate() feeds the rest of a longer prompt
-    // one token at a time), and the ring's size grows with the chunk.
-    wo.max_chunk = std::min(o.chunk, sinks + o.window);
-    // Only the token ids (4 bytes each) grow with the length; K and V stay S + W - 1 + chunk.
-    wo.capacity = src.prompt.size() + o.n;
-    WindowStore<float> store(cfg, wo);
-    return generate_with(o, src, model, store, pool);
-  }
-  switch (o.kv) {
-    case KvType::kInt8: {
-      Int8Store<float> store(cfg);
-      return generate_with(o, src, model, store, pool);
-    }
-    case KvType::kQ4: {
-      Q4Store<float> store(cfg);
-      return generate_with(o, src, model, store, pool);
-    }
-    case KvType::kF32:
+  const Tokenizer& tokenizer = run.src.tokenizer;
+  Activations<float> act(cfg, chunk, cache.block_scratch_size(), &pool);
+  SamplerOptions so{o.temperature, o.top_p, o.top_k, run.seed};
+  so.min_p = o.min_p;
+  so.repeat_penalty = o.repeat_penalty;
+  so.repeat_last_n = o.repeat_last_n;
+  Sampler sampler(cfg.vocab_size, so);
+  GenerationOptions go;
+  go.max_new_tokens =
+      o.n < 0 ? std::numeric_limits<std::size_t>::max() : static_cast<std::size_t>(o.n);
+  go.stop_token = o.ignore_bos ? -1 : Tokenizer::kBos;
+  std::optional<std::int32_t> last;  // the last answer's final token, sampled but not yet fed
+  std::string line;
+  for (std::size_t turn = 1; std::getline(std::cin, line) && g_interrupted == 0; ++turn) {
+    if (line.empty()) continue;
+    std::vector<std::int32_t> tokens = tokenizer.encode(line, /*bos=*/!last);
+    if (last) tokens.insert(tokens.begin(), *last);
+    const std::size_t reused = cache.size();
+    if (tokens.size() + 1 > cache.capacity() - cache.size()) {
+      std::fprintf(stderr, "[turn %zu: %zu tokens do not fit the %zu positions left; ending]\n",
+                   turn, tokens.size(), cache.capacity() - cache.size());
       break;
+    }
+    std::int32_t prev = tokens.back();
+    TextStream text(o.stop);
+    const auto on_token = [&](std::int32_t token) {
+      if (token != Tokenizer::kBos)
+        write_out(text.push(shown_piece(tokenizer.decode(prev, token))));
+      prev = token;
+      last = token;
+      return !text.stopped() && g_interrupted == 0;
+    };
+    const GenerationStats st = generate(model, cache, act, tokens, sampler, go, on_token);
+    write_out(text.flush());
+    write_out("\n");
+    std::fprintf(stderr,
+                 "[turn %zu: %zu tokens prefilled, %zu reused from the cache, %zu generated in "
+                 "%.1f ms]\n",
+                 turn, st.prompt_tokens, reused, st.generated_tokens, st.prefill_ms + st.decode_ms);
+    if (st.hit_capacity) {
+      std::fprintf(stderr, "[the cache is full after %zu positions; ending]\n", cache.size());
+      break;
+    }
   }
-  ContiguousStore<float> store(cfg);
-  return generate_with(o, src, model, store, pool);
+  return g_interrupted ? 130 : 0;
+}
+
+/// Builds the store the flags ask for and runs the generation over it.
+template <class W>
+int with_store(const Run& run, const kvdecode::Model<float, W>& model, kvdecode::ThreadPool& pool) {
+  using namespace kvdecode;
+  const Options& o = run.o;
+  const ModelConfig& cfg = model.config();
+  const auto seq_len = static_cast<std::size_t>(cfg.seq_len);
+  if (o.ctx > seq_len)
+    throw cli::UsageError{"--ctx-size " + std::to_string(o.ctx) + " exceeds the model's seq_len " +
+                          std::to_string(seq_len)};
+  const std::size_t ctx = o.ctx > 0 ? o.ctx : seq_len;
+  // A chunk longer than the prompt or the context reserves activations nothing uses.
+  const std::size_t longest = o.interactive ? ctx : std::min(ctx, run.prompt.size());
+  std::size_t chunk = std::max<std::size_t>(1, std::min(o.chunk, longest));
+  if (!o.interactive && run.prompt.size() > ctx)
+    throw cli::UsageError{"the prompt has " + std::to_string(run.prompt.size()) +
+                          " tokens but the context holds " + std::to_string(ctx) +
+                          " (see --ctx-size, or use --window)"};
+  const auto go = [&](auto& store) {
+    return o.interactive ? chat_with(run, model, store, pool, chunk)
+                         : generate_with(run, model, store, pool, chunk);
+  };
+  return with_store_type(o, [&]<class S>(std::type_identity<S>) -> int {
+    if constexpr (std::is_same_v<S, WindowStore<float>>) {
+      const std::size_t sinks = o.sinks.value_or(4);
+      if (o.window > seq_len || sinks > seq_len - o.window)
+        throw cli::UsageError{"--sinks + --window = " + std::to_string(sinks + o.window) +
+                              " exceeds the model's seq_len " + std::to_string(seq_len)};
+      WindowOptions wo;
+      wo.window = o.window;
+      wo.sinks = sinks;
+      wo.policy = WindowPolicy::kStreaming;
+      // No prefill chunk is longer than S + W (generate() feeds the rest of a longer prompt
+      // one token at a time), and the ring's size grows with the chunk.
+      chunk = std::min(chunk, sinks + o.window);
+      wo.max_chunk = chunk;
+      // No length limit: only the token ids grow (4 bytes a position), never reserved ahead.
+      wo.capacity = kUnboundedPositions;
+      WindowStore<float> store(cfg, wo);
+      return go(store);
+    } else if constexpr (std::is_same_v<S, PagedStore<float>>) {
+      const std::size_t blocks = (ctx + o.block_size - 1) / o.block_size;
+      BlockPool<float> blocks_pool(cfg, blocks, o.block_size);
+      PagedStore<float> store(blocks_pool);
+      return go(store);
+    } else {
+      S store(cfg, ctx);
+      return go(store);
+    }
+  });
 }
 
 int run(const Options& o) {
   using namespace kvdecode;
+  const auto start = Clock::now();
+  check(o);
   Source src = load_source(o);
+  Run r{o, src, {}, 0, start};
+  if (!o.interactive) {
+    r.prompt = src.tokenizer.encode(prompt_text(o, src), /*bos=*/true);
+  }
+  r.seed = o.seed > 0 ? static_cast<std::uint64_t>(o.seed)
+                      : (std::uint64_t{std::random_device{}()} << 32 | std::random_device{}()) | 1;
   ThreadPool pool(o.threads);
+  std::signal(SIGINT, on_sigint);
   // The model takes the weights over (bf16: rounded copies; the f32 ones are freed here).
   if (o.weights == WeightType::kBf16) {
     const Model<float, bf16> model(convert_weights<bf16>(std::exchange(src.weights, {})));
-    return generate_with_store(o, src, model, pool);
+    return with_store(r, model, pool);
   }
   const Model<float> model(std::exchange(src.weights, {}));
-  return generate_with_store(o, src, model, pool);
+  return with_store(r, model, pool);
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  return cli::run_main("generate", [&] { return run(parse(argc, argv)); });
+  Options o;
+  CLI::App app{"", "generate"};
+  cli::configure(app, KVDECODE_VERSION);
+  declare(app, o);
+  return cli::run_main(app, argc, argv, o.verbose, [&] { return run(o); });
 }

@@ -3,8 +3,10 @@
 #   2. a run that loads it prints the same, and says all but the last prompt token came from it;
 #   3. a longer prompt that starts with the saved one loads it, prefills only the rest, and
 #      prints what a run without a cache file prints for that prompt;
-#   4. a cache of another prompt, a truncated file and a flipped payload byte each exit with
-#      code 1 and one line on stderr naming the file and what is wrong.
+#   4. a cache of a prompt that shares only a prefix is reused up to that prefix (the restored
+#      cache truncated), and the text is that of a run without a cache file;
+#   5. a truncated file and a flipped payload byte each exit with code 1 and one line on stderr
+#      naming the file and what is wrong.
 # Inputs: GENERATE (the executable), WORKDIR (tests/data/llama2c-tiny), PROMPT, OUT (a scratch
 # folder).
 file(REMOVE_RECURSE "${OUT}")
@@ -28,9 +30,9 @@ function(expect_equal what got expected)
   endif()
 endfunction()
 
-# "prompt tokens      24 (23 from cache file ...)" → total and from_file.
+# "prompt tokens      24 (23 reused from cache file ...)" → total and from_file.
 function(prompt_counts err total_var file_var)
-  if(NOT err MATCHES "prompt tokens +([0-9]+) \\(([0-9]+) from cache file")
+  if(NOT err MATCHES "prompt tokens +([0-9]+) \\(([0-9]+) reused from cache file")
     message(FATAL_ERROR "no prompt-token line naming the cache file in:\n${err}")
   endif()
   set(${total_var} ${CMAKE_MATCH_1} PARENT_SCOPE)
@@ -76,19 +78,32 @@ if(NOT longer_from_file EQUAL saved OR NOT longer_total GREATER saved)
                       "file, expected all ${saved} saved ones")
 endif()
 
-# 4. Files that must be refused with one line.
+# 4. A cache of a prompt that shares only its first words: those are reused.
+set(other "Once upon a time, Tom ran")
+run_generate(0 other_plain other_plain_err --prompt "${other}")
+run_generate(0 other_loaded other_err --prompt "${other}" --load-cache "${cache}")
+expect_equal("stdout of a prompt sharing a prefix with --load-cache differs from the run without it"
+             "${other_loaded}" "${other_plain}")
+prompt_counts("${other_err}" other_total other_from_file)
+# BOS, "Once", " upon", " a", " time", "," at least; never the whole saved prompt.
+if(other_from_file LESS 5 OR NOT other_from_file LESS saved)
+  message(FATAL_ERROR "a prompt sharing 'Once upon a time,': ${other_from_file} tokens reused "
+                      "of ${saved} saved")
+endif()
+if(NOT other_err MATCHES "which held ${saved}\\)")
+  message(FATAL_ERROR "the report does not say how many positions the file held:\n${other_err}")
+endif()
+
+# 5. Files that must be refused with one line.
 function(expect_refused what regex)
   run_generate(1 out err ${ARGN})
-  if(NOT err MATCHES "^generate: kvdecode: cache file '[^']*': [^\n]*${regex}[^\n]*\n$")
+  if(NOT err MATCHES "^generate: cache file '[^']*': [^\n]*${regex}[^\n]*\n$")
     message(FATAL_ERROR "${what}: expected one line matching '${regex}', got:\n${err}")
   endif()
   if(NOT out STREQUAL "")
     message(FATAL_ERROR "${what}: generated text although the cache was refused:\n${out}")
   endif()
 endfunction()
-
-expect_refused("another prompt" "saved for another prompt" --prompt "Other words entirely"
-               --load-cache "${cache}")
 
 # Byte-level damage, made with head and dd (the tests run on Linux).
 find_program(HEAD head)

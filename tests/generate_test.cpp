@@ -289,6 +289,48 @@ TEST(GenerateTest, StreamingWindowTakesAPromptLongerThanItsWindow) {
   EXPECT_FALSE(st.hit_capacity);
 }
 
+// The repetition penalty sees the latest repeat_last_n tokens (the cached prefix, the prompt and
+// what was generated): the same tokens as a greedy loop over the reference forward whose
+// logits are penalised here with the formula (l / p if l > 0, else l × p) over the last 3.
+TEST(GenerateTest, RepetitionPenaltyCoversTheLatestTokens) {
+  const ModelConfig cfg = testing_util::small_config(4, 2, 64);
+  const Model<double> model(random_weights<double>(cfg, 61));
+  const auto vocab = static_cast<std::size_t>(cfg.vocab_size);
+  const Tokens prefix = {1, 7, 7}, prompt = {9, 7};
+  constexpr double kPenalty = 3.0;
+  constexpr std::size_t kLastN = 3, kN = 12;
+  Tokens seq = concat(prefix, prompt), expected;
+  for (std::size_t i = 0; i < kN; ++i) {
+    const std::vector<double> logits = forward_reference(model.weights(), span_of(seq));
+    std::vector<double> l(logits.end() - static_cast<std::ptrdiff_t>(vocab), logits.end());
+    std::vector<bool> done(vocab, false);
+    for (std::size_t k = seq.size() - kLastN; k < seq.size(); ++k) {
+      const auto t = static_cast<std::size_t>(seq[k]);
+      if (done[t]) continue;
+      done[t] = true;
+      l[t] = l[t] > 0 ? l[t] / kPenalty : l[t] * kPenalty;
+    }
+    const auto best = static_cast<std::int32_t>(std::max_element(l.begin(), l.end()) - l.begin());
+    expected.push_back(best);
+    seq.push_back(best);
+  }
+  ContiguousStore<double> cache(cfg);
+  Activations<double> act(cfg, 8);
+  model.prefill(span_of(prefix), cache, act);
+  SamplerOptions o = greedy();
+  o.repeat_penalty = kPenalty;
+  o.repeat_last_n = kLastN;
+  Sampler sampler(cfg.vocab_size, o);
+  GenerationOptions opt;
+  opt.max_new_tokens = kN;
+  Tokens got;
+  generate(model, cache, act, span_of(prompt), sampler, opt,
+           [&](std::int32_t t) { got.push_back(t); });
+  EXPECT_EQ(got, expected);
+  // Without the penalty the greedy continuation differs (the test can fail).
+  EXPECT_NE(reference_greedy(model.weights(), concat(prefix, prompt), kN), expected);
+}
+
 TEST(GenerateTest, StopsAtStopTokenCallbackAndCapacity) {
   const ModelConfig cfg = testing_util::small_config(4, 2, 12);
   const Model<double> model(random_weights<double>(cfg, 13));

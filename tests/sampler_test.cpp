@@ -90,6 +90,48 @@ TEST(SamplerTest, TopKKeepsTheKMostLikely) {
   EXPECT_NEAR(g[1], 1.0, 1e-9);  // top-k 1 is greedy
 }
 
+// min-p: tokens below min_p × p_max are dropped and the rest renormalised. With p = {0.5, 0.3,
+// 0.15, 0.05} and min_p 0.25 the floor is 0.125: 0.05 goes, the others keep p / 0.95.
+TEST(SamplerTest, MinPDropsTokensBelowAFractionOfTheMostLikely) {
+  const std::vector<double> p = {0.5, 0.3, 0.15, 0.05};
+  SamplerOptions o{1.0, 1.0, 0, 11};
+  o.min_p = 0.25;
+  const auto f = frequencies(o, logits_of(p), 200000);
+  EXPECT_NEAR(f[0], 0.5 / 0.95, 0.01);
+  EXPECT_NEAR(f[1], 0.3 / 0.95, 0.01);
+  EXPECT_NEAR(f[2], 0.15 / 0.95, 0.01);
+  EXPECT_EQ(f[3], 0.0);
+}
+
+// The repetition penalty, written out: a recent token's logit l becomes l / 1.5 if l > 0, else
+// l × 1.5, once however often it recurs. Greedy then picks from the penalised logits.
+TEST(SamplerTest, RepetitionPenaltyDividesPositiveAndMultipliesNegativeLogits) {
+  SamplerOptions o{0.0, 1.0, 0, 1};
+  o.repeat_penalty = 1.5;
+  Sampler s(4, o);
+  const std::vector<float> l = {3.0f, 2.5f, -1.0f, -1.2f};
+  const std::vector<std::int32_t> none, first = {0, 0, 0};
+  EXPECT_EQ(s.sample(std::span<const float>(l), none), 0);
+  // 3 / 1.5 = 2 < 2.5: token 1 wins.
+  EXPECT_EQ(s.sample(std::span<const float>(l), first), 1);
+  // Only negative ones left: {2, 3} penalised, 0 and 1 too: 2, 2.5/1.5 = 1.67, -1.5, -1.2.
+  const std::vector<std::int32_t> all = {0, 1, 2};
+  EXPECT_EQ(s.sample(std::span<const float>(l), all), 0);
+  const std::vector<float> neg = {-1.0f, -1.1f, -5.0f, -5.0f};
+  const std::vector<std::int32_t> zero = {0};
+  EXPECT_EQ(s.sample(std::span<const float>(neg), zero), 1);  // -1.5 < -1.1
+  // Sampling follows softmax of the penalised logits: {ln 0.6 / 1.5 ... } written out.
+  SamplerOptions m{1.0, 1.0, 0, 5};
+  m.repeat_penalty = 2.0;
+  Sampler t(2, m);
+  const std::vector<float> two = {2.0f, 1.0f};  // penalised: {1, 1} → 50 / 50
+  const std::vector<std::int32_t> recent = {0};
+  int zeros = 0;
+  for (int i = 0; i < 100000; ++i) zeros += t.sample(std::span<const float>(two), recent) == 0;
+  EXPECT_NEAR(zeros / 100000.0, 0.5, 0.01);
+  EXPECT_THROW(s.sample(std::span<const float>(l), std::vector<std::int32_t>{4}), Error);
+}
+
 TEST(SamplerTest, SameSeedSameTokens) {
   const std::vector<float> l = logits_of({0.2, 0.2, 0.2, 0.2, 0.2});
   Sampler a(5, SamplerOptions{1.0, 0.9, 0, 77}), b(5, SamplerOptions{1.0, 0.9, 0, 77});
@@ -113,6 +155,20 @@ TEST(SamplerTest, BadOptionsAreNamed) {
         Sampler(4, SamplerOptions{1.0, 0.9, 0, 0});
       },
       ::testing::ThrowsMessage<Error>(::testing::HasSubstr("seed 0")));
+  EXPECT_THAT(
+      [] {
+        SamplerOptions o;
+        o.min_p = 1.5;
+        Sampler(4, o);
+      },
+      ::testing::ThrowsMessage<Error>(::testing::HasSubstr("min_p must be in [0, 1], got 1.5")));
+  EXPECT_THAT(
+      [] {
+        SamplerOptions o;
+        o.repeat_penalty = 0;
+        Sampler(4, o);
+      },
+      ::testing::ThrowsMessage<Error>(::testing::HasSubstr("repeat_penalty must be")));
   EXPECT_THAT([] { Sampler(0, SamplerOptions{}); },
               ::testing::ThrowsMessage<Error>(::testing::HasSubstr("vocab_size must be positive")));
   Sampler s(4, SamplerOptions{});

@@ -724,15 +724,28 @@ TEST(TokenizerTest, SaveLoadRoundTripIsIdentical) {
   EXPECT_EQ(Tokenizer(pieces, scores, t.max_token_length()).to_bytes(), original);
 }
 
-TEST(TokenizerTest, TrailingBytesAndExtraEntriesAreIgnoredLikeRunC) {
+TEST(TokenizerTest, TrailingBytesAreIgnoredLikeRunC) {
   std::vector<std::byte> bytes = read_bytes(data_dir() / "tokenizer.bin");
   const std::vector<std::byte> original = bytes;
   bytes.insert(bytes.end(), 37, std::byte{0xAB});
   EXPECT_EQ(Tokenizer::from_memory(bytes, kFixtureVocabSize).to_bytes(), original);
-  // A smaller vocab_size reads only the first entries, as run.c's loop does.
-  const Tokenizer prefix = Tokenizer::from_memory(original, 300);
-  EXPECT_EQ(prefix.vocab_size(), 300);
-  EXPECT_EQ(prefix.piece(299), load_fixture().piece(299));
+}
+
+// run.c reads vocab_size entries and ignores the rest, so a larger tokenizer (llama2.c's 32000
+// pieces with a 512-piece model) printed wrong text without an error. Both directions are now
+// refused, naming both counts.
+TEST(TokenizerTest, AVocabularyOfAnotherSizeIsRefusedNamingBothCounts) {
+  const std::vector<std::byte> bytes = read_bytes(data_dir() / "tokenizer.bin");
+  EXPECT_THAT(
+      error_message([&] { Tokenizer::from_memory(bytes, 300, "fixture"); }),
+      HasSubstr("tokenizer.bin 'fixture': the file holds " + std::to_string(kFixtureVocabSize) +
+                " entries but the model's vocab_size is 300"));
+  // One entry short: the file ends cleanly between entries.
+  const RawFile small = small_file_header_and_entries(kSmallPieces.size());
+  EXPECT_THAT(error_message([&] { Tokenizer::from_memory(small.bytes, 8, "small.bin"); }),
+              HasSubstr("the file holds 7 entries but the model's vocab_size is 8"));
+  EXPECT_THAT(error_message([&] { Tokenizer::from_memory(small.bytes, 6, "small.bin"); }),
+              HasSubstr("the file holds 7 entries but the model's vocab_size is 6"));
 }
 
 TEST(TokenizerTest, SaveToUnwritablePathThrowsNamingTheFile) {
@@ -773,6 +786,12 @@ TEST(TokenizerTest, EveryTruncationOfASmallFileThrowsNamingWhereItEnds) {
       std::size_t i = 0;
       while (offsets[i + 1] <= size) ++i;
       const std::size_t start = offsets[i];
+      if (size == start) {
+        // Between two entries: a vocabulary of i entries, not a damaged file.
+        expected << "the file holds " << i << " entries but the model's vocab_size is 7";
+        EXPECT_THAT(message, HasSubstr(expected.str())) << "prefix of " << size << " bytes";
+        continue;
+      }
       expected << "entry " << i << " of 7: file ends at byte " << size << " while reading ";
       if (size < start + 4) {
         expected << "the score (needs " << start + 4 - size;
@@ -794,7 +813,9 @@ TEST(TokenizerTest, EveryTruncationOfTheFixtureThrows) {
     const std::string message = error_message([&] {
       Tokenizer::from_memory(std::span(bytes.data(), size), kFixtureVocabSize, "fixture");
     });
-    ASSERT_THAT(message, HasSubstr("file ends at byte " + std::to_string(size) + " while"));
+    ASSERT_THAT(message,
+                ::testing::AnyOf(HasSubstr("file ends at byte " + std::to_string(size) + " while"),
+                                 HasSubstr(" entries but the model's vocab_size is ")));
   }
 }
 
@@ -854,10 +875,9 @@ TEST(TokenizerTest, BadVocabSizeThrows) {
   }
   EXPECT_THAT(error_message([&] { Tokenizer::load(file, std::int64_t{1} << 40); }),
               HasSubstr("vocab_size 1099511627776 does not fit the int32 token ids"));
-  // One entry more than the file holds: the loader reports where the file ran out.
+  // One entry more than the file holds: a vocabulary of another size, with both counts.
   EXPECT_THAT(error_message([&] { Tokenizer::load(file, 513); }),
-              HasSubstr("entry 512 of 513: file ends at byte 6248 while reading the score (needs 4 "
-                        "more bytes)"));
+              HasSubstr("the file holds 512 entries but the model's vocab_size is 513"));
 }
 
 TEST(TokenizerTest, NonexistentFileThrowsNamingIt) {

@@ -123,26 +123,6 @@ TEST(WindowStoreTest, FixtureModelWithAWindow) {
   run_trained_window<float>(model, tokens, 24, 16, 60, 1e-4);
 }
 
-// One append longer than the ring is fine on an empty store (nothing to restore on cancel), as
-// long as each attend() call (the Activations' max_tokens) stays within max_chunk.
-TEST(WindowStoreTest, OneLongPrefillInChunksOfMaxChunk) {
-  const ModelConfig cfg = small_config(4, 2, 64);
-  const Model<float> model(random_weights<float>(cfg, 3));
-  const auto tokens = random_tokens(50, cfg.vocab_size, 4);
-  const auto vocab = static_cast<std::size_t>(cfg.vocab_size);
-  const std::vector<float> ref = forward_reference(model.weights(), tokens, 8);
-  WindowStore<float> s(cfg, {.window = 8, .max_chunk = 6, .capacity = 64});
-  Activations<float> act(cfg, 6, 0);
-  std::vector<float> all(tokens.size() * vocab);
-  model.prefill(tokens, s, act, all);
-  for (std::size_t p = 0; p < tokens.size(); ++p)
-    expect_logits_near<float>(std::span<const float>(all).subspan(p * vocab, vocab), ref, p, vocab,
-                              1e-5, "long prefill");
-  // Now non-empty: an append that would overwrite keys a cancel must restore is refused.
-  EXPECT_THROW(s.begin_append(random_tokens(7, cfg.vocab_size, 1)), Error);
-  EXPECT_EQ(s.pending(), 0u);
-}
-
 TEST(WindowStoreTest, CancelAndRollbackAfterEviction) {
   const ModelConfig cfg = small_config(4, 2, 64);
   const Model<float> model(random_weights<float>(cfg, 6));
@@ -179,6 +159,167 @@ std::vector<std::int32_t> kept(const std::vector<std::int32_t>& t, std::size_t q
   std::vector<std::int32_t> k(t.begin(), t.begin() + static_cast<std::ptrdiff_t>(sinks));
   for (std::size_t i = std::max(S, q + 1 - std::min(q + 1, W)); i <= q; ++i) k.push_back(t[i]);
   return k;
+}
+
+// Feeds `tokens` into `s` in appends of max_append() (what generate() does): prefill for more
+// than one, decode for one. Returns the last token's logits.
+template <class T>
+std::vector<T> feed_by_max_append(const Model<T>& model, WindowStore<T>& s, Activations<T>& act,
+                                  std::span<const std::int32_t> tokens) {
+  std::span<const T> logits;
+  for (std::size_t done = 0; done < tokens.size();) {
+    const std::size_t m = std::min(tokens.size() - done, s.max_append());
+    logits = m == 1 ? model.decode(tokens[done], s, act)
+                    : model.prefill(tokens.subspan(done, m), s, act);
+    done += m;
+  }
+  return {logits.begin(), logits.end()};
+}
+
+// Every combination of window, sinks, policy, the store's max_chunk, the Activations' chunk and
+// the prompt length either gives the reference's logits or throws Error naming the append and
+// max_chunk, changing nothing. (A ring of W - 1 + max_chunk rows once took a 44-token append
+// in one 64-token chunk and overwrote keys its own queries read: NaN logits, no error.) Fed in
+// appends of max_append(), every combination works. One layer, so that a streaming store's
+// logits are those of a fresh forward over the kept tokens (see below).
+TEST(WindowStoreTest, EveryChunkCombinationMatchesTheReferenceOrThrows) {
+  ModelConfig cfg = small_config(4, 2, 64);
+  cfg.n_layers = 1;
+  const Model<float> model(random_weights<float>(cfg, 31));
+  const auto vocab = static_cast<std::size_t>(cfg.vocab_size);
+  std::size_t refused = 0, ran = 0;
+  for (const WindowPolicy policy : {WindowPolicy::kTrainedWindow, WindowPolicy::kStreaming})
+    for (const std::size_t S : {0u, 4u})
+      for (const std::size_t W : {1u, 4u, 16u})
+        for (const std::size_t max_chunk : {1u, 3u, 64u})
+          for (const std::size_t chunk : {1u, 5u, 64u})
+            for (const std::size_t n : {1u, 10u, 44u}) {
+              if (policy == WindowPolicy::kTrainedWindow && S > 0) continue;  // no reference
+              const auto tokens = random_tokens(n, cfg.vocab_size, 100 + n);
+              const std::vector<float> ref =
+                  policy == WindowPolicy::kTrainedWindow
+                      ? forward_reference(model.weights(), tokens, W)
+                      : forward_reference(model.weights(), kept(tokens, n - 1, S, W));
+              const std::size_t last = ref.size() / vocab - 1;
+              const WindowOptions o{.window = W,
+                                    .sinks = S,
+                                    .policy = policy,
+                                    .max_chunk = max_chunk,
+                                    .capacity = 64};
+              const std::string what =
+                  "policy " + std::to_string(static_cast<int>(policy)) + " S=" + std::to_string(S) +
+                  " W=" + std::to_string(W) + " max_chunk=" + std::to_string(max_chunk) +
+                  " chunk=" + std::to_string(chunk) + " n=" + std::to_string(n);
+              {
+                WindowStore<float> s(cfg, o);
+                Activations<float> act(cfg, chunk, s.block_scratch_size());
+                try {
+                  const auto logits = model.prefill(tokens, s, act);
+                  expect_logits_near<float>(logits, ref, last, vocab, 2e-5, what + " (prefill)");
+                  ++ran;
+                } catch (const Error& e) {
+                  const std::string m = e.what();
+                  if (m.find("max_chunk = ") != std::string::npos) {
+                    EXPECT_NE(m.find("appending " + std::to_string(n) + " positions"),
+                              std::string::npos)
+                        << m;
+                    EXPECT_NE(m.find("max_chunk = " + std::to_string(max_chunk)), std::string::npos)
+                        << m;
+                  }
+                  EXPECT_EQ(s.size(), 0u) << what;
+                  EXPECT_EQ(s.pending(), 0u) << what;
+                  ++refused;
+                }
+              }
+              WindowStore<float> s(cfg, o);
+              Activations<float> act(cfg, chunk, s.block_scratch_size());
+              const auto logits = feed_by_max_append(model, s, act, tokens);
+              expect_logits_near<float>(logits, ref, last, vocab, 2e-5, what + " (max_append)");
+            }
+  EXPECT_GT(refused, 0u);
+  EXPECT_GT(ran, 0u);
+}
+
+// The case that gave NaN: W = 16, max_chunk = 1, a 64-token chunk, a 44-token prefill.
+TEST(WindowStoreTest, AnAppendThatWrapsTheRingIsRefusedNamingMaxChunk) {
+  const ModelConfig cfg = small_config(4, 2, 64);
+  const Model<float> model(random_weights<float>(cfg, 3));
+  WindowStore<float> s(cfg, {.window = 16, .max_chunk = 1});
+  Activations<float> act(cfg, 64, s.block_scratch_size());
+  const auto tokens = random_tokens(44, cfg.vocab_size, 4);
+  try {
+    (void)model.prefill(tokens, s, act);
+    FAIL() << "a 44-position append to a ring of 16 rows was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("appending 44 positions to 0 wraps the ring of 16 rows "
+                                         "(W - 1 + max_chunk), so an append may hold at most "
+                                         "max_chunk = 1 positions (or 16 before the ring wraps)"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(s.max_append(), 16u);
+  const auto logits = feed_by_max_append(model, s, act, tokens);
+  const std::vector<float> ref = forward_reference(model.weights(), tokens, 16);
+  expect_logits_near<float>(logits, ref, 43, static_cast<std::size_t>(cfg.vocab_size), 1e-5,
+                            "max_append");
+  for (const float l : logits) ASSERT_TRUE(std::isfinite(l));
+}
+
+// Until the cache is full: without sinks, both policies give ContiguousStore's logits bit for
+// bit (the keys are the same rows, read in one block); with sinks the keys come in two blocks
+// (sinks, ring), so attention's sums round differently, within f32 rounding.
+TEST(WindowStoreTest, BeforeItFillsTheStoreMatchesThePlainCache) {
+  const ModelConfig cfg = small_config(4, 2, 64);
+  const Model<float> model(random_weights<float>(cfg, 21));
+  const auto tokens = random_tokens(24, cfg.vocab_size, 22);
+  const auto vocab = static_cast<std::size_t>(cfg.vocab_size);
+  for (const WindowPolicy policy : {WindowPolicy::kTrainedWindow, WindowPolicy::kStreaming})
+    for (const std::size_t S : {0u, 4u}) {
+      // S + W = 28 > 24 tokens: nothing is evicted or re-rotated.
+      WindowStore<float> s(cfg, {.window = 24, .sinks = S, .policy = policy, .max_chunk = 8});
+      ContiguousStore<float> plain(cfg);
+      Activations<float> act(cfg, 8, s.block_scratch_size()), plain_act(cfg, 8, 0);
+      const auto first = std::span<const std::int32_t>(tokens).first(8);
+      std::vector<float> got(8 * vocab), want(8 * vocab);
+      model.prefill(first, s, act, got);
+      model.prefill(first, plain, plain_act, want);
+      for (std::size_t p = 8; p < tokens.size(); ++p) {
+        const auto g = model.decode(tokens[p], s, act);
+        const auto w = model.decode(tokens[p], plain, plain_act);
+        got.insert(got.end(), g.begin(), g.end());
+        want.insert(want.end(), w.begin(), w.end());
+      }
+      const std::string what =
+          "policy " + std::to_string(static_cast<int>(policy)) + " S=" + std::to_string(S);
+      if (S == 0) {
+        EXPECT_EQ(got, want) << what;
+      } else {
+        for (std::size_t i = 0; i < got.size(); ++i)
+          ASSERT_NEAR(got[i], want[i], 1e-5 * (1 + std::abs(want[i]))) << what << " logit " << i;
+      }
+    }
+}
+
+// Sizes are checked against the model before anything is reserved.
+TEST(WindowStoreTest, RefusesSizesBeyondTheModel) {
+  const ModelConfig cfg = small_config(4, 2, 64);
+  const auto streaming = WindowPolicy::kStreaming;
+  EXPECT_THROW(WindowStore<float>(cfg, {.window = 65, .policy = streaming}), Error);
+  EXPECT_THROW(WindowStore<float>(cfg, {.window = 60, .sinks = 5, .policy = streaming}), Error);
+  EXPECT_THROW(WindowStore<float>(cfg, {.window = 8, .max_chunk = 65}), Error);
+  EXPECT_THROW(WindowStore<float>(
+                   cfg, {.window = static_cast<std::size_t>(-2), .capacity = kUnboundedPositions}),
+               Error);
+  // Unbounded streaming: the K/V reservation is that of any length.
+  WindowStore<float> s(cfg, {.window = 8,
+                             .sinks = 2,
+                             .policy = streaming,
+                             .max_chunk = 4,
+                             .capacity = kUnboundedPositions});
+  EXPECT_EQ(s.memory_bytes(),
+            WindowStore<float>::memory_bytes_for(
+                cfg, {.window = 8, .sinks = 2, .policy = streaming, .max_chunk = 4}));
+  EXPECT_EQ(s.capacity(), kUnboundedPositions);
 }
 
 // With one layer the K/V of a token depend on nothing but the token and its RoPE position, so
@@ -224,11 +365,9 @@ TEST(WindowStoreTest, StreamingLayerZeroKeysEqualAFreshCacheOfTheKeptTokens) {
   const Model<double> model(random_weights<double>(cfg, 14));
   const std::size_t S = 2, W = 7, n = 60;
   const auto tokens = random_tokens(n, cfg.vocab_size, 15);
-  WindowStore<double> s(cfg, {.window = W,
-                              .sinks = S,
-                              .policy = WindowPolicy::kStreaming,
-                              .max_chunk = 1,
-                              .capacity = n});
+  WindowStore<double> s(
+      cfg,
+      {.window = W, .sinks = S, .policy = WindowPolicy::kStreaming, .max_chunk = 1, .capacity = n});
   Activations<double> act(cfg, 1, s.block_scratch_size());
   for (std::size_t q = 0; q < n; ++q) {
     (void)model.decode(tokens[q], s, act);

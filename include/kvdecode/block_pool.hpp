@@ -85,7 +85,11 @@ class BlockPool {
     KVDECODE_CHECK(block_size >= 1, "BlockPool: block_size must be at least 1, got ", block_size);
     KVDECODE_CHECK(options.hash_bits >= 1 && options.hash_bits <= 64,
                    "BlockPool: hash_bits must lie in [1, 64], got ", options.hash_bits);
-    KVDECODE_CHECK(n_blocks <= std::numeric_limits<std::size_t>::max() / 4 / block_size,
+    // Every count and byte size below fits size_t: 2 × n_blocks × block_elems × sizeof(T).
+    KVDECODE_CHECK(block_size <= std::numeric_limits<std::size_t>::max() / 4 / sizeof(T) /
+                                     (n_layers_ * n_kv_heads_ * head_size_) &&
+                       n_blocks <= std::numeric_limits<std::size_t>::max() / 4 / sizeof(T) /
+                                       (n_layers_ * n_kv_heads_ * head_size_ * block_size),
                    "BlockPool: ", n_blocks, " blocks of ", block_size,
                    " positions overflow size_t");
     if (max_seq_len_ == 0) max_seq_len_ = static_cast<std::size_t>(cfg.seq_len);

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <span>
 
 #include "kvdecode/aligned_buffer.hpp"
@@ -48,6 +49,11 @@ class ContiguousStore {
         head_size_(static_cast<std::size_t>(cfg.head_size())),
         capacity_(capacity == 0 ? static_cast<std::size_t>(cfg.seq_len) : capacity) {
     cfg.validate();
+    // The byte counts below fit size_t (a capacity past seq_len is allowed: positions beyond
+    // the model's training length).
+    KVDECODE_CHECK(capacity_ <= std::numeric_limits<std::size_t>::max() / 2 / sizeof(T) /
+                                    (n_layers_ * n_kv_heads_ * head_size_),
+                   "ContiguousStore: capacity ", capacity_, " positions overflow the store's size");
     keys_ = AlignedBuffer<T>(n_layers_ * n_kv_heads_ * capacity_ * head_size_);
     values_ = AlignedBuffer<T>(keys_.size());
     tokens_ = AlignedBuffer<std::int32_t>(capacity_);

@@ -109,31 +109,57 @@ GenerationStats generate(const Model<T, W>& model, S& cache, Activations<T>& act
   // The whole sequence, for the no-cache mode's recompute; reserved so the loop never grows it.
   std::vector<std::int32_t> sequence;
   if (!options.use_cache) {
-    sequence.reserve(cache.capacity());
+    const std::size_t room = cache.capacity() - cache.size();  // checked above: >= prompt
+    sequence.reserve(cache.size() +
+                     std::min(room, prompt.size() + std::min(options.max_new_tokens, room)));
     const std::span<const std::int32_t> held = cache.tokens();
     sequence.assign(held.begin(), held.end());
     sequence.insert(sequence.end(), prompt.begin(), prompt.end());
   }
   // Runs tokens after what the cache holds: one prefill of what the store takes in one append,
   // then decode for the rest. Returns the last token's logits.
+  std::size_t decoded = 0;  // prompt tokens a capped store took one at a time
   const auto feed = [&](std::span<const std::int32_t> tokens) {
-    const std::size_t at_once = std::min(tokens.size(), detail::append_limit(cache));
-    std::span<const T> logits = model.prefill(tokens.first(at_once), cache, act);
-    for (const std::int32_t token : tokens.subspan(at_once))
-      logits = model.decode(token, cache, act);
+    std::span<const T> logits;
+    for (std::size_t done = 0; done < tokens.size();) {
+      const std::size_t at_once = std::min(tokens.size() - done, detail::append_limit(cache));
+      if (at_once == 1 && tokens.size() > 1) ++decoded;
+      logits = at_once == 1 ? model.decode(tokens[done], cache, act)
+                            : model.prefill(tokens.subspan(done, at_once), cache, act);
+      done += at_once;
+    }
     return logits;
   };
 
+  // The latest sampler.options().repeat_last_n tokens (held, prompt, generated) for the
+  // repetition penalty: a ring, as the penalty ignores order; reserved so the loop never grows it.
+  const std::size_t last_n =
+      sampler.options().repeat_penalty != 1.0 ? sampler.options().repeat_last_n : 0;
+  std::vector<std::int32_t> recent;
+  recent.reserve(last_n);
+  std::size_t recent_next = 0;
+  const auto remember = [&](std::int32_t token) {
+    if (last_n == 0) return;
+    if (recent.size() < last_n) {
+      recent.push_back(token);
+    } else {
+      recent[recent_next] = token;
+      recent_next = (recent_next + 1) % last_n;
+    }
+  };
+  for (const std::int32_t t : cache.tokens().last(std::min(last_n, cache.size()))) remember(t);
+  for (const std::int32_t t : prompt.last(std::min(last_n, prompt.size()))) remember(t);
+
   const auto start = Clock::now();
-  stats.prompt_tokens_decoded =
-      prompt.size() - std::min(prompt.size(), detail::append_limit(cache));
   std::span<const T> logits = feed(prompt);
+  stats.prompt_tokens_decoded = decoded;
   stats.prefill_ms = ms(Clock::now() - start);
   on_prefilled();
   const auto decode_start = Clock::now();
   bool first = true;
   while (stats.generated_tokens < options.max_new_tokens) {
-    const std::int32_t token = sampler.sample(logits);
+    const std::int32_t token = sampler.sample(logits, std::span<const std::int32_t>(recent));
+    remember(token);
     if (first) {
       stats.ttft_ms = ms(Clock::now() - start);
       first = false;

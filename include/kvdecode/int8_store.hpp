@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <span>
 #include <type_traits>
 
@@ -68,6 +69,9 @@ class Int8Store {
         head_size_(static_cast<std::size_t>(cfg.head_size())),
         capacity_(capacity == 0 ? static_cast<std::size_t>(cfg.seq_len) : capacity) {
     cfg.validate();
+    KVDECODE_CHECK(capacity_ <= std::numeric_limits<std::size_t>::max() / 2 /
+                                    (n_layers_ * n_kv_heads_ * (head_size_ + sizeof(float))),
+                   "Int8Store: capacity ", capacity_, " positions overflow the store's size");
     keys_ = AlignedBuffer<std::int8_t>(n_layers_ * n_kv_heads_ * capacity_ * head_size_);
     values_ = AlignedBuffer<std::int8_t>(keys_.size());
     key_scales_ = AlignedBuffer<float>(n_layers_ * n_kv_heads_ * capacity_);

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <span>
 #include <type_traits>
 #include <vector>
@@ -85,6 +86,12 @@ class Q4Store {
         group_(group) {
     cfg.validate();
     KVDECODE_CHECK(group_ >= 2, "Q4Store: group size ", group_, ", expected at least 2");
+    KVDECODE_CHECK(group_ <= std::max(capacity_, static_cast<std::size_t>(cfg.seq_len)),
+                   "Q4Store: group size ", group_, " exceeds the capacity ", capacity_,
+                   " and the model's seq_len ", cfg.seq_len);
+    KVDECODE_CHECK(capacity_ <= std::numeric_limits<std::size_t>::max() / 4 / sizeof(float) /
+                                    (n_layers_ * n_kv_heads_ * (head_size_ + group_)),
+                   "Q4Store: capacity ", capacity_, " positions overflow the store's size");
     n_groups_ = capacity_ / group_;  // a trailing partial group never fills: it stays in staging
     const std::size_t heads = n_layers_ * n_kv_heads_;
     key_codes_ = AlignedBuffer<std::uint8_t>(heads * n_groups_ * group_ * head_size_ / 2);

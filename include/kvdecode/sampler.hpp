@@ -1,5 +1,6 @@
-// Sampler: turns logits into the next token. Greedy (first maximum wins), temperature, top-k and
-// top-p, driven by llama2.c's xorshift64* generator so a seed reproduces a run.
+// Sampler: turns logits into the next token. A repetition penalty over recent tokens, then greedy
+// (first maximum wins) or temperature, min-p, top-k and top-p, driven by llama2.c's xorshift64*
+// generator so a seed reproduces a run.
 #pragma once
 
 #include <algorithm>
@@ -19,6 +20,15 @@ struct SamplerOptions {
   double top_p = 0.9;        ///< nucleus mass; <= 0 or >= 1 disables it (plain multinomial)
   std::int64_t top_k = 0;    ///< keep only the k most likely tokens; 0 disables it
   std::uint64_t seed = 1;    ///< xorshift64* state; must not be 0
+  /// Keep only tokens at least min_p times as likely as the most likely one (llama.cpp's min-p),
+  /// in [0, 1]; 0 disables it.
+  double min_p = 0.0;
+  /// CTRL's repetition penalty (Keskar et al. 2019, as llama.cpp): before anything else, the
+  /// logit l of every token among the recent ones becomes l / penalty if l > 0, else
+  /// l × penalty. 1 disables it; must be > 0.
+  double repeat_penalty = 1.0;
+  /// How many of the latest tokens the penalty looks at (generate() keeps them).
+  std::size_t repeat_last_n = 64;
 };
 
 /// llama2.c run.c's random_u32 / random_f32 (xorshift64*).
@@ -51,8 +61,17 @@ class Sampler {
                    options.top_p);
     KVDECODE_CHECK(options.top_k >= 0, "Sampler: top_k must be >= 0, got ", options.top_k);
     KVDECODE_CHECK(options.seed != 0, "Sampler: seed 0 would freeze xorshift64*; use any other");
+    KVDECODE_CHECK(options.min_p >= 0.0 && options.min_p <= 1.0,
+                   "Sampler: min_p must be in [0, 1], got ", options.min_p);
+    KVDECODE_CHECK(options.repeat_penalty > 0.0 && std::isfinite(options.repeat_penalty),
+                   "Sampler: repeat_penalty must be a finite number > 0, got ",
+                   options.repeat_penalty);
     probs_.resize(static_cast<std::size_t>(vocab_size));
     order_.resize(static_cast<std::size_t>(vocab_size));
+    if (options.repeat_penalty != 1.0) {
+      penalized_.resize(static_cast<std::size_t>(vocab_size));
+      seen_.assign(static_cast<std::size_t>(vocab_size), 0);
+    }
   }
 
   const SamplerOptions& options() const { return options_; }
@@ -66,11 +85,37 @@ class Sampler {
     return static_cast<std::int32_t>(best);
   }
 
-  /// The next token for logits [vocab_size].
+  /// The next token for logits [vocab_size], with the repetition penalty over `recent` (the
+  /// latest tokens, in any order; ids outside the vocabulary are refused).
   template <class T>
-  std::int32_t sample(std::span<const T> logits) {
+  std::int32_t sample(std::span<const T> logits, std::span<const std::int32_t> recent = {}) {
     KVDECODE_CHECK(logits.size() == probs_.size(), "Sampler::sample: ", logits.size(),
                    " logits for a vocabulary of ", probs_.size());
+    if (options_.repeat_penalty == 1.0 || recent.empty()) return sample_from(logits);
+    std::copy(logits.begin(), logits.end(), penalized_.begin());
+    apply_repeat_penalty(recent);
+    return sample_from(std::span<const float>(penalized_));
+  }
+
+ private:
+  // Each distinct recent token once: l / penalty for l > 0, else l × penalty.
+  void apply_repeat_penalty(std::span<const std::int32_t> recent) {
+    const auto penalty = static_cast<float>(options_.repeat_penalty);
+    for (const std::int32_t id : recent)
+      KVDECODE_CHECK(id >= 0 && static_cast<std::size_t>(id) < penalized_.size(),
+                     "Sampler::sample: recent token id ", id, " is outside [0, vocab_size ",
+                     penalized_.size(), ")");
+    for (const std::int32_t id : recent) {
+      const auto i = static_cast<std::size_t>(id);
+      if (seen_[i]) continue;
+      seen_[i] = 1;
+      penalized_[i] = penalized_[i] > 0.0f ? penalized_[i] / penalty : penalized_[i] * penalty;
+    }
+    for (const std::int32_t id : recent) seen_[static_cast<std::size_t>(id)] = 0;
+  }
+
+  template <class T>
+  std::int32_t sample_from(std::span<const T> logits) {
     if (options_.temperature == 0.0) return argmax(logits);
     // softmax(logits / temperature), as run.c: subtract the max, exp, normalise.
     const float inv_t = static_cast<float>(1.0 / options_.temperature);
@@ -83,6 +128,17 @@ class Sampler {
       sum += probs_[i];
     }
     for (float& p : probs_) p /= sum;
+    if (options_.min_p > 0.0) {
+      // Drop every token below min_p × the largest probability, then renormalise.
+      const float floor =
+          static_cast<float>(options_.min_p) * *std::max_element(probs_.begin(), probs_.end());
+      float kept = 0.0f;
+      for (float& p : probs_) {
+        if (p < floor) p = 0.0f;
+        kept += p;
+      }
+      for (float& p : probs_) p /= kept;
+    }
     const float coin = rng_.next_f32();
     const std::size_t n = probs_.size();
     const bool use_k = options_.top_k > 0 && static_cast<std::size_t>(options_.top_k) < n;
@@ -92,7 +148,6 @@ class Sampler {
                      use_p ? static_cast<float>(options_.top_p) : 1.0f);
   }
 
- private:
   // run.c sample_mult(): the first i with coin < cdf_i, else the last index.
   std::int32_t multinomial(float coin) const {
     float cdf = 0.0f;
@@ -144,6 +199,8 @@ class Sampler {
   XorShiftRng rng_;
   std::vector<float> probs_;         // [vocab_size]
   std::vector<std::int32_t> order_;  // [vocab_size] candidate ids, sorted by probability
+  std::vector<float> penalized_;     // [vocab_size] logits after the repetition penalty
+  std::vector<std::uint8_t> seen_;   // [vocab_size] 1 while a recent id is being penalised
 };
 
 }  // namespace kvdecode

@@ -101,8 +101,10 @@ struct FileCloser {
 /// decode. Immutable after construction, so one Tokenizer may be shared across threads.
 ///
 /// Where run.c leaves behaviour open, this class decides:
-/// * Trailing bytes after the vocab_size entries are accepted and ignored, as run.c does (it
-///   reads exactly vocab_size entries, since tokenizer.bin does not store the count).
+/// * The file must hold exactly vocab_size entries. run.c reads vocab_size entries and ignores
+///   the rest, so a tokenizer of a larger vocabulary gives wrong text without an error; here a
+///   file that ends after fewer entries, or holds more whole entries, is refused naming both
+///   counts. Trailing bytes that are not whole entries are still ignored, as in run.c.
 /// * Duplicate pieces are accepted; a lookup finds the lowest id (run.c's bsearch finds any).
 /// * Pieces and text are byte strings. run.c handles NUL-terminated C strings, so it never sees a
 ///   NUL byte in the text; here a NUL is an ordinary byte (byte fallback gives id 3).
@@ -155,6 +157,11 @@ class Tokenizer {
           piece_len >= 0 ? detail::concat("the ", piece_len, "-byte piece") : std::string(field);
       const std::string where =
           entry >= 0 ? detail::concat(": entry ", entry, " of ", vocab_size) : std::string();
+      // Ending cleanly between entries is a smaller vocabulary, not a damaged file.
+      if (entry >= 0 && pos == file_size && piece_len < 0 && std::string_view(field) == "the score")
+        KVDECODE_FAIL(context, ": the file holds ", entry,
+                      " entries but the model's vocab_size is ", vocab_size,
+                      " (a tokenizer of another model?)");
       KVDECODE_FAIL(context, where, ": file ends at byte ", file_size, " while reading ", what,
                     " (needs ", n - (file_size - pos), " more bytes)");
     };
@@ -187,6 +194,11 @@ class Tokenizer {
       pos += static_cast<std::uint64_t>(len);
       offsets.push_back(piece_bytes.size());
     }
+    // More whole entries after the vocabulary: a tokenizer of a larger vocabulary.
+    if (const std::uint64_t more = whole_entries(bytes.subspan(pos)); more > 0)
+      KVDECODE_FAIL(context, ": the file holds ", vocab_size + static_cast<std::int64_t>(more),
+                    " entries but the model's vocab_size is ", vocab_size,
+                    " (a tokenizer of another model?)");
     return Tokenizer(std::move(piece_bytes), std::move(offsets), std::move(scores),
                      max_token_length, context);
   }
@@ -358,6 +370,19 @@ class Tokenizer {
     // run.c would silently push id -1 as the dummy prefix of every non-empty text.
     KVDECODE_CHECK(space_id_ >= 0, context,
                    ": vocabulary lacks the one-character piece \" \" needed as the dummy prefix");
+  }
+
+  /// How many whole entries (score, length >= 0, piece) `bytes` holds exactly, or 0 when they
+  /// do not end on an entry boundary (trailing bytes, which run.c ignores too).
+  static std::uint64_t whole_entries(std::span<const std::byte> bytes) {
+    std::uint64_t pos = 0, n = 0;
+    while (bytes.size() - pos >= 8) {
+      const auto len = static_cast<std::int32_t>(detail::read_u32_le(bytes.data() + pos + 4));
+      if (len < 0 || bytes.size() - pos - 8 < static_cast<std::uint64_t>(len)) return 0;
+      pos += 8 + static_cast<std::uint64_t>(len);
+      ++n;
+    }
+    return pos == bytes.size() ? n : 0;
   }
 
   static void check_vocab_size(std::int64_t vocab_size, const std::string& context) {

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <span>
 #include <vector>
 
@@ -31,13 +32,19 @@ struct WindowOptions {
   std::size_t window = 0;  ///< W: positions a query sees besides the sinks, itself included
   std::size_t sinks = 0;   ///< S: first positions kept forever (StreamingLLM keeps 4)
   WindowPolicy policy = WindowPolicy::kTrainedWindow;
-  /// The most queries one attend() call runs: the Activations' max_tokens. The ring keeps
-  /// W - 1 + max_chunk positions so that the first query of a chunk still finds its window.
+  /// The most positions one append may hold once the ring has wrapped (or would wrap during
+  /// it). The ring keeps W - 1 + max_chunk positions, so the first query of such an append still
+  /// finds its window whatever the Activations' max_tokens. An append to a store whose ring
+  /// would not wrap may be longer (a prompt prefilled at once); max_append() says how long.
   std::size_t max_chunk = 1;
-  /// capacity(): the longest sequence (cache indices) the store accepts; only the token ids,
-  /// 4 bytes each, grow with it. 0 means cfg.seq_len.
+  /// capacity(): the longest sequence (cache indices) the store accepts. 0 means cfg.seq_len;
+  /// kUnboundedPositions means no limit (streaming), the token ids then growing as they come.
   std::size_t capacity = 0;
 };
+
+/// WindowOptions::capacity for a store with no length limit: its K and V stay bounded,
+/// and only the token ids grow (4 bytes a position, in a buffer that doubles when full).
+inline constexpr std::size_t kUnboundedPositions = static_cast<std::size_t>(-1);
 
 /// Keys are stored after RoPE, as every other store, in their ring slot:
 ///   sinks [n_layers][n_kv_heads][S][head_size], ring [n_layers][n_kv_heads][R][head_size],
@@ -45,8 +52,10 @@ struct WindowOptions {
 ///
 /// Why post-RoPE with rotation by the delta (not pre-RoPE keys rotated at every read): under
 /// kTrainedWindow positions never shift, so keys are read in place like ContiguousStore's, and
-/// under kStreaming nothing shifts until the cache is full, so both policies equal the plain
-/// cache bit for bit up to then. Once full, key x written at position p_w(x) = min(x, S+W-1)
+/// under kStreaming nothing shifts until the cache is full. Up to then, without sinks, both
+/// policies give the plain cache's logits bit for bit; with sinks attention reads the keys in
+/// two blocks (sinks, then the ring) and its softmax sums round differently, within f32
+/// rounding of the plain cache's. Once full, key x written at position p_w(x) = min(x, S+W-1)
 /// must appear to query q at its slot position p(x | q) = x - (q - (S+W-1)); for_each_block
 /// rotates it by p(x | q) - p_w(x) = -d into scratch (RoPE rotations compose: R(a)R(b) =
 /// R(a+b)), where d < W, so the cos/sin of every d are a [W][head_size/2] table built once.
@@ -54,7 +63,9 @@ struct WindowOptions {
 ///
 /// Streaming appends one token at a time once the cache has filled (size + n > S + W): each
 /// query of a chunk would need its own rotation of the keys, and attention asks the store for
-/// the keys once per chunk. Rollback (truncate) reaches back at most max_chunk positions, as
+/// the keys once per chunk. An append that wraps the ring holds at most max_chunk positions,
+/// so no forward chunk of it, however the Activations split it, overwrites a key one of its
+/// own queries reads. Rollback (truncate) reaches back at most max_chunk positions, as
 /// older keys may already be overwritten.
 template <class T>
 class WindowStore {
@@ -71,8 +82,7 @@ class WindowStore {
     KVDECODE_CHECK(o.window >= 1 && o.max_chunk >= 1, "WindowStore: window ", o.window,
                    " and max_chunk ", o.max_chunk, ", expected both at least 1");
     const detail::KvDims d = detail::KvDims::of(cfg);
-    const std::uint64_t slots = detail::sat_add({o.sinks, o.window, o.max_chunk});
-    const std::uint64_t rows = slots - 1;  // S + W - 1 + max_chunk
+    const std::uint64_t rows = detail::sat_add({o.sinks, o.window, o.max_chunk}) - 1;
     const std::uint64_t table =
         o.policy == WindowPolicy::kStreaming ? detail::sat_mul({o.window, d.head_size}) : 0;
     return detail::sat_mul(
@@ -91,8 +101,25 @@ class WindowStore {
         capacity_(options.capacity == 0 ? static_cast<std::size_t>(cfg.seq_len) : options.capacity),
         style_(cfg.rope_style) {
     cfg.validate();
-    KVDECODE_CHECK(window_ >= 1, "WindowStore: window ", window_, ", expected at least 1");
-    KVDECODE_CHECK(max_chunk_ >= 1, "WindowStore: max_chunk ", max_chunk_, ", expected at least 1");
+    const auto seq_len = static_cast<std::size_t>(cfg.seq_len);
+    // A window wider than every sequence the store holds (or, streaming, than the model's
+    // positions) would only reserve rows no query reads.
+    const std::size_t longest =
+        policy_ == WindowPolicy::kStreaming ? seq_len : std::max(seq_len, capacity_);
+    KVDECODE_CHECK(window_ >= 1 && window_ <= longest, "WindowStore: window ", window_,
+                   ", expected 1 .. ", longest,
+                   policy_ == WindowPolicy::kStreaming ? " (the model's seq_len)" : "");
+    KVDECODE_CHECK(sinks_ <= longest - window_, "WindowStore: sinks ", sinks_, " + window ",
+                   window_, " exceed ", longest,
+                   policy_ == WindowPolicy::kStreaming ? " (the model's seq_len)" : "");
+    KVDECODE_CHECK(max_chunk_ >= 1 && max_chunk_ <= seq_len, "WindowStore: max_chunk ", max_chunk_,
+                   ", expected 1 .. seq_len ", seq_len);
+    // Every row count below fits, and so do the bytes: S + R rows of 2 × kv_dim elements.
+    const std::size_t row_elems = 2 * n_layers_ * n_kv_heads_ * head_size_;
+    KVDECODE_CHECK(window_ - 1 + max_chunk_ + sinks_ <=
+                       std::numeric_limits<std::size_t>::max() / 2 / sizeof(T) / row_elems,
+                   "WindowStore: sinks ", sinks_, " + window ", window_, " + max_chunk ",
+                   max_chunk_, " rows overflow the size of the store");
     ring_ = window_ - 1 + max_chunk_;
     const std::size_t heads = n_layers_ * n_kv_heads_;
     sink_keys_ = AlignedBuffer<T>(heads * sinks_ * head_size_);
@@ -110,7 +137,9 @@ class WindowStore {
       for (std::size_t i = 0; i < rot_sin_.size(); ++i) rot_sin_[i] = -rot_sin_[i];
     }
     written_.assign(n_layers_, 0);
-    tokens_ = AlignedBuffer<std::int32_t>(capacity_);
+    // A bounded store reserves every id now (no allocation while decoding); an unbounded one
+    // starts with seq_len and grows.
+    tokens_.reserve(capacity_ == kUnboundedPositions ? seq_len : capacity_);
     oldest_ = sinks_;
   }
 
@@ -124,7 +153,8 @@ class WindowStore {
   std::size_t sinks() const { return sinks_; }
   std::size_t max_chunk() const { return max_chunk_; }
   WindowPolicy policy() const { return policy_; }
-  /// K/V rows and rotation tables; the token ids ([capacity] int32) aside, as every store's.
+  /// K/V rows and rotation tables; the token ids (int32, reserved for capacity() or grown with
+  /// the length) aside, as every store's.
   std::size_t memory_bytes() const {
     return sink_keys_.bytes() + sink_values_.bytes() + ring_keys_.bytes() + ring_values_.bytes() +
            rot_cos_.bytes() + rot_sin_.bytes();
@@ -159,13 +189,15 @@ class WindowStore {
   }
 
   /// The most positions one begin_append accepts now (it refuses more, naming the rule): the
-  /// room left; under kStreaming, one at a time once S + W positions are held; and once the
-  /// ring holds keys a later query needs, what leaves those intact for a cancel. At least 1
-  /// while there is room. A caller with more tokens prefills this many, then continues.
+  /// room left; under kStreaming, one at a time once S + W positions are held; max_chunk, or
+  /// what fits before the ring wraps if more; and once the ring holds keys a later query
+  /// needs, what leaves those intact for a cancel. At least 1 while there is room. A caller
+  /// with more tokens prefills this many, then continues.
   std::size_t max_append() const {
     std::size_t n = capacity_ - size_;
     if (policy_ == WindowPolicy::kStreaming)
       n = std::min(n, size_ < sinks_ + window_ ? sinks_ + window_ - size_ : std::size_t{1});
+    n = std::min(n, std::max(max_chunk_, before_wrap()));
     const std::size_t needed =
         std::max({sinks_, oldest_, size_ + 1 > window_ ? size_ + 1 - window_ : 0});
     if (size_ > needed) n = std::min(n, needed + ring_ - size_);
@@ -182,6 +214,11 @@ class WindowStore {
                    "WindowStore (streaming): appending ", n, " positions to ", size_,
                    " passes the full cache of S + W = ", sinks_ + window_,
                    " positions; past it, append one position at a time");
+    KVDECODE_CHECK(
+        n <= max_chunk_ || n <= before_wrap(), "WindowStore: appending ", n, " positions to ",
+        size_, " wraps the ring of ", ring_,
+        " rows (W - 1 + max_chunk), so an append may hold at most max_chunk = ", max_chunk_,
+        " positions (or ", before_wrap(), " before the ring wraps); see max_append()");
     // A cancel must find the keys the next query needs, [max(S, size-W+1), size), intact.
     const std::size_t needed =
         std::max({sinks_, oldest_, size_ + 1 > window_ ? size_ + 1 - window_ : 0});
@@ -189,7 +226,8 @@ class WindowStore {
                    "WindowStore: appending ", n, " positions to ", size_,
                    " would overwrite keys a cancel must restore; append at most max_chunk = ",
                    max_chunk_, " positions at a time to a non-empty store");
-    std::copy(tokens.begin(), tokens.end(), tokens_.data() + size_);
+    tokens_.resize(size_);
+    tokens_.insert(tokens_.end(), tokens.begin(), tokens.end());
     pending_ = n;
   }
 
@@ -307,6 +345,11 @@ class WindowStore {
     return rotate ? std::max(lo, end - window_) : lo;
   }
 
+  /// Positions an append may add before index S + R, the first to reuse a ring slot.
+  std::size_t before_wrap() const {
+    return size_ < sinks_ + ring_ ? sinks_ + ring_ - size_ : std::size_t{0};
+  }
+
   std::size_t ring_row(std::size_t layer, std::size_t kv_head, std::size_t index) const {
     return (layer * n_kv_heads_ + kv_head) * ring_ + (index - sinks_) % ring_;
   }
@@ -330,15 +373,15 @@ class WindowStore {
   std::size_t ring_ = 0;  // R = W - 1 + max_chunk slots per (layer, kv head)
   std::size_t size_ = 0;
   std::size_t pending_ = 0;
-  std::size_t oldest_ = 0;              // lowest non-sink index whose slot still holds it (≥ S)
-  AlignedBuffer<T> sink_keys_;          // [n_layers][n_kv_heads][S][head_size] after RoPE
-  AlignedBuffer<T> sink_values_;        // [n_layers][n_kv_heads][S][head_size]
-  AlignedBuffer<T> ring_keys_;          // [n_layers][n_kv_heads][R][head_size] after RoPE at p_w(x)
-  AlignedBuffer<T> ring_values_;        // [n_layers][n_kv_heads][R][head_size]
-  AlignedBuffer<T> rot_cos_;            // [W][head_size/2] cos(-d θ_j), kStreaming only
-  AlignedBuffer<T> rot_sin_;            // [W][head_size/2] sin(-d θ_j), kStreaming only
-  std::vector<std::size_t> written_;    // [n_layers] rows written per layer (committed + pending)
-  AlignedBuffer<std::int32_t> tokens_;  // [capacity] token id of each position
+  std::size_t oldest_ = 0;            // lowest non-sink index whose slot still holds it (≥ S)
+  AlignedBuffer<T> sink_keys_;        // [n_layers][n_kv_heads][S][head_size] after RoPE
+  AlignedBuffer<T> sink_values_;      // [n_layers][n_kv_heads][S][head_size]
+  AlignedBuffer<T> ring_keys_;        // [n_layers][n_kv_heads][R][head_size] after RoPE at p_w(x)
+  AlignedBuffer<T> ring_values_;      // [n_layers][n_kv_heads][R][head_size]
+  AlignedBuffer<T> rot_cos_;          // [W][head_size/2] cos(-d θ_j), kStreaming only
+  AlignedBuffer<T> rot_sin_;          // [W][head_size/2] sin(-d θ_j), kStreaming only
+  std::vector<std::size_t> written_;  // [n_layers] rows written per layer (committed + pending)
+  std::vector<std::int32_t> tokens_;  // [size + pending] token id of each position
 };
 
 static_assert(KvStore<WindowStore<float>>);
