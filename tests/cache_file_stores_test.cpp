@@ -395,7 +395,7 @@ TYPED_TEST(CacheFileStoreTest, EveryBadFileIsRefusedAndChangesNothing) {
   EXPECT_NO_THROW(this->model_.decode(this->tokens_[0], t, act));
 }
 
-TYPED_TEST(CacheFileStoreTest, PromptPrefixKeepsTheLongestCommonPrefix) {
+TYPED_TEST(CacheFileStoreTest, LongestPrefixKeepsWhatThePromptShares) {
   using K = Kind<TypeParam>;
   auto saved = this->prefilled(25);
   kvdecode::save_cache(this->fingerprint_, saved->store(), this->file_);
@@ -403,31 +403,29 @@ TYPED_TEST(CacheFileStoreTest, PromptPrefixKeepsTheLongestCommonPrefix) {
   auto h = K::make(this->cfg_);
   TypeParam& s = h->store();
   // A longer prompt that extends the saved tokens: all 25 reused.
-  EXPECT_EQ(kvdecode::restore_prompt_prefix(this->fingerprint_, s, all.first(30), this->file_),
+  EXPECT_EQ(kvdecode::restore_longest_prefix(this->fingerprint_, s, all.first(30), this->file_),
             25u);
   EXPECT_TRUE(rows(snapshot(s)) == rows(snapshot(saved->store())));
   // The same prompt: one position is given back, so there is a token to prefill for logits.
-  EXPECT_EQ(kvdecode::restore_prompt_prefix(this->fingerprint_, s, all.first(25), this->file_),
+  EXPECT_EQ(kvdecode::restore_longest_prefix(this->fingerprint_, s, all.first(25), this->file_),
             24u);
   EXPECT_EQ(s.size(), 24u);
   // A prompt that differs at position 20: its first 20 tokens are reused.
   Tokens differs(this->tokens_.begin(), this->tokens_.begin() + 30);
   differs[20] = (differs[20] + 1) % static_cast<std::int32_t>(this->cfg_.vocab_size);
-  EXPECT_EQ(kvdecode::restore_prompt_prefix(this->fingerprint_, s, differs, this->file_), 20u);
+  EXPECT_EQ(kvdecode::restore_longest_prefix(this->fingerprint_, s, differs, this->file_), 20u);
   EXPECT_EQ(s.size(), 20u);
   EXPECT_TRUE(std::equal(s.tokens().begin(), s.tokens().end(), differs.begin()));
-  // Decoding on continues as a store that had those 20 tokens (bit for bit where the store kept
-  // its rows exactly; a 4-bit group truncated into is requantized when it refills).
   // Differing at position 5: a window store cannot roll back 20 positions; the others can.
   differs = Tokens(this->tokens_.begin(), this->tokens_.begin() + 30);
   differs[5] = (differs[5] + 1) % static_cast<std::int32_t>(this->cfg_.vocab_size);
   const Snapshot before = snapshot(s);
   const std::string message = error_of([&] {
-    EXPECT_EQ(kvdecode::restore_prompt_prefix(this->fingerprint_, s, differs, this->file_), 5u);
+    EXPECT_EQ(kvdecode::restore_longest_prefix(this->fingerprint_, s, differs, this->file_), 5u);
   });
   if constexpr (std::is_base_of_v<WindowStore<float>, TypeParam>) {
-    EXPECT_THAT(message, HasSubstr("holds 25 positions of which the prompt shares 5; a window "
-                                   "store cannot roll back from 25 to 5 positions"));
+    EXPECT_THAT(message, HasSubstr("holds 25 positions of which 5 are kept for the prompt; a "
+                                   "window store cannot roll back from 25 to 5 positions"));
     EXPECT_TRUE(snapshot(s) == before);
   } else {
     EXPECT_EQ(message, "(no error)");
@@ -435,8 +433,27 @@ TYPED_TEST(CacheFileStoreTest, PromptPrefixKeepsTheLongestCommonPrefix) {
   }
   // Nothing in common: an empty store, 0 reused.
   differs[0] = (differs[0] + 1) % static_cast<std::int32_t>(this->cfg_.vocab_size);
-  EXPECT_EQ(kvdecode::restore_prompt_prefix(this->fingerprint_, s, differs, this->file_), 0u);
+  EXPECT_EQ(kvdecode::restore_longest_prefix(this->fingerprint_, s, differs, this->file_), 0u);
   EXPECT_EQ(s.size(), 0u);
+}
+
+TYPED_TEST(CacheFileStoreTest, PromptPrefixNeedsTheSavedTokensToBeginThePrompt) {
+  using K = Kind<TypeParam>;
+  auto saved = this->prefilled(25);
+  kvdecode::save_cache(this->fingerprint_, saved->store(), this->file_);
+  auto h = K::make(this->cfg_);
+  TypeParam& s = h->store();
+  const std::span<const std::int32_t> all(this->tokens_);
+  EXPECT_EQ(kvdecode::restore_prompt_prefix(this->fingerprint_, s, all.first(25), this->file_),
+            24u);
+  const Snapshot before = snapshot(s);
+  Tokens differs(this->tokens_.begin(), this->tokens_.begin() + 30);
+  differs[20] = (differs[20] + 1) % static_cast<std::int32_t>(this->cfg_.vocab_size);
+  EXPECT_THAT(error_of([&] {
+                kvdecode::restore_prompt_prefix(this->fingerprint_, s, differs, this->file_);
+              }),
+              HasSubstr("at position 20 where the prompt has"));
+  EXPECT_TRUE(snapshot(s) == before);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -227,14 +227,25 @@ TEST_F(CacheFileTest, RestorePromptPrefixKeepsAtLeastOneTokenToRun) {
   // The same prompt as saved: one position is given back, so prefill has a token for logits.
   EXPECT_EQ(kvdecode::restore_prompt_prefix(fingerprint_, store, prompt.first(10), file_), 9u);
   EXPECT_EQ(store.size(), 9u);
-  // A prompt that differs at position 4: its first 4 tokens are reused.
+  // A prompt that differs at position 4: refused, the store unchanged.
   std::vector<std::int32_t> other(tokens_.begin(), tokens_.begin() + 20);
   other[4] = (other[4] + 1) % static_cast<std::int32_t>(cfg_.vocab_size);
-  EXPECT_EQ(kvdecode::restore_prompt_prefix(fingerprint_, store, other, file_), 4u);
+  EXPECT_THAT(error_of([&] { kvdecode::restore_prompt_prefix(fingerprint_, store, other, file_); }),
+              HasSubstr("holds token " + std::to_string(tokens_[4]) +
+                        " at position 4 where the "
+                        "prompt has " +
+                        std::to_string(other[4]) + "; it was saved for another prompt"));
+  EXPECT_EQ(store.size(), 9u);
+  EXPECT_THAT(error_of([&] {
+                kvdecode::restore_prompt_prefix(fingerprint_, store, prompt.first(6), file_);
+              }),
+              HasSubstr("holds 10 tokens, more than the prompt's 6"));
+  EXPECT_EQ(store.size(), 9u);
+  // restore_longest_prefix reuses what the two share: the first 4 tokens, the first 5 of 6.
+  EXPECT_EQ(kvdecode::restore_longest_prefix(fingerprint_, store, other, file_), 4u);
   EXPECT_EQ(store.size(), 4u);
   EXPECT_TRUE(same_contents(store, prefilled(10), 4));  // the saved rows, not recomputed ones
-  // A shorter prompt: at most its length - 1.
-  EXPECT_EQ(kvdecode::restore_prompt_prefix(fingerprint_, store, prompt.first(6), file_), 5u);
+  EXPECT_EQ(kvdecode::restore_longest_prefix(fingerprint_, store, prompt.first(6), file_), 5u);
   EXPECT_EQ(store.size(), 5u);
   // A refused file leaves the store as it was.
   write_bytes(file_, {1, 2, 3});

@@ -708,30 +708,63 @@ void restore_cache(const Model<T, W>& model, S& store, const std::filesystem::pa
   restore_cache(model_fingerprint(model), store, file);
 }
 
-/// For a generator's --load-cache: restores `file` into `store` and keeps the longest common
-/// prefix of its tokens and `prompt`, at most prompt.size() - 1 positions (so the caller still
-/// prefills at least one token and gets its logits); returns how many positions were kept,
-/// possibly 0. Throws Error, leaving the store as it was, when restore_cache would, or when the
-/// store cannot roll back that far (a window store keeps max_chunk positions of history).
+namespace detail::cache_file {
+
+/// restore_prompt_prefix (require_prefix) and restore_longest_prefix.
 template <SavableKvStore S>
-std::size_t restore_prompt_prefix(const ModelFingerprint& model, S& store,
-                                  std::span<const std::int32_t> prompt,
-                                  const std::filesystem::path& file) {
-  KVDECODE_CHECK(!prompt.empty(), "restore_prompt_prefix: the prompt has no tokens");
-  typename S::FileState state = detail::cache_file::read_cache(model, store, file);
+std::size_t restore_prefix(const ModelFingerprint& model, S& store,
+                           std::span<const std::int32_t> prompt, const std::filesystem::path& file,
+                           bool require_prefix) {
+  KVDECODE_CHECK(!prompt.empty(), "restoring a cache for a prompt: the prompt has no tokens");
+  typename S::FileState state = read_cache(model, store, file);
   const std::span<const std::int32_t> saved = state.saved_tokens();
-  const std::size_t limit = std::min(saved.size(), prompt.size() - 1);
-  std::size_t keep = 0;
-  while (keep < limit && saved[keep] == prompt[keep]) ++keep;
+  std::size_t common = 0;
+  while (common < std::min(saved.size(), prompt.size()) && saved[common] == prompt[common])
+    ++common;
+  if (require_prefix) {
+    KVDECODE_CHECK(common == std::min(saved.size(), prompt.size()), context(file), ": holds token ",
+                   saved[common], " at position ", common, " where the prompt has ", prompt[common],
+                   "; it was saved for another prompt");
+    KVDECODE_CHECK(saved.size() <= prompt.size(), context(file), ": holds ", saved.size(),
+                   " tokens, more than the prompt's ", prompt.size());
+  }
+  const std::size_t keep = std::min(common, prompt.size() - 1);
   if constexpr (requires { state.can_truncate(keep); }) {
-    KVDECODE_CHECK(keep == saved.size() || state.can_truncate(keep),
-                   detail::cache_file::context(file), ": holds ", saved.size(),
-                   " positions of which the prompt shares ", keep, "; a ", S::kName,
-                   " store cannot roll back from ", saved.size(), " to ", keep, " positions");
+    KVDECODE_CHECK(keep == saved.size() || state.can_truncate(keep), context(file), ": holds ",
+                   saved.size(), " positions of which ", keep, " are kept for the prompt; a ",
+                   S::kName, " store cannot roll back from ", saved.size(), " to ", keep,
+                   " positions");
   }
   store.commit_payload(state);
   if (keep < saved.size()) store.truncate(keep);  // checked above: cannot fail
   return keep;
+}
+
+}  // namespace detail::cache_file
+
+/// For a generator's --load-cache: restores `file` into `store` when its tokens are a prefix of
+/// `prompt`, and returns how many prompt tokens it covers. At most prompt.size() - 1 positions
+/// are kept (the store is truncated if needed), so the caller still prefills at least one token
+/// and gets its logits. Works for any store. Throws Error, leaving the store as it was, when
+/// restore_cache would, when the saved tokens are not a prefix of the prompt (naming the first
+/// position that differs), or when the store cannot roll back to prompt.size() - 1.
+template <SavableKvStore S>
+std::size_t restore_prompt_prefix(const ModelFingerprint& model, S& store,
+                                  std::span<const std::int32_t> prompt,
+                                  const std::filesystem::path& file) {
+  return detail::cache_file::restore_prefix(model, store, prompt, file, true);
+}
+
+/// Reuses as much of a saved cache as a prompt allows: restores `file` into `store`, then keeps
+/// the longest common prefix of the saved tokens and `prompt`, at most prompt.size() - 1
+/// positions (so the caller prefills at least one token); returns how many it kept, possibly 0.
+/// Throws Error, leaving the store as it was, when restore_cache would, or when the store cannot
+/// roll back that far (a window store keeps only max_chunk positions of rollback).
+template <SavableKvStore S>
+std::size_t restore_longest_prefix(const ModelFingerprint& model, S& store,
+                                   std::span<const std::int32_t> prompt,
+                                   const std::filesystem::path& file) {
+  return detail::cache_file::restore_prefix(model, store, prompt, file, false);
 }
 
 // ---------------------------------------------------------------------------------------------
