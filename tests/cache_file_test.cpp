@@ -9,6 +9,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <array>
 #include <chrono>
 #include <cstdint>
 #include <filesystem>
@@ -32,7 +33,6 @@ using kvdecode::Error;
 using kvdecode::Model;
 using kvdecode::ModelConfig;
 using kvdecode::ModelFingerprint;
-using kvdecode::Xxh64;
 using kvdecode::testing_util::random_tokens;
 using kvdecode::testing_util::same_contents;
 using kvdecode::testing_util::small_config;
@@ -58,11 +58,6 @@ void write_bytes(const fs::path& p, const std::vector<unsigned char>& b) {
   out.write(reinterpret_cast<const char*>(b.data()), static_cast<std::streamsize>(b.size()));
 }
 
-std::uint64_t get_u64(const std::vector<unsigned char>& b, std::size_t at) {
-  std::uint64_t v = 0;
-  for (std::size_t i = 8; i-- > 0;) v = (v << 8) | b[at + i];
-  return v;
-}
 void put_u64(std::vector<unsigned char>& b, std::size_t at, std::uint64_t v) {
   for (std::size_t i = 0; i < 8; ++i) b[at + i] = static_cast<unsigned char>(v >> (8 * i));
 }
@@ -70,14 +65,14 @@ void put_u32(std::vector<unsigned char>& b, std::size_t at, std::uint32_t v) {
   for (std::size_t i = 0; i < 4; ++i) b[at + i] = static_cast<unsigned char>(v >> (8 * i));
 }
 
-/// Recomputes the checksums after an edit, as a forger (or a buggy writer) would, so that the
-/// checks behind them are the ones tested.
+/// Recomputes the checksums (XXH3-64) after an edit, as a forger (or a buggy writer) would, so
+/// that the checks behind them are the ones tested.
 void reseal(std::vector<unsigned char>& b, bool payload_too) {
   if (payload_too) {
     put_u64(b, cf::kOffPayloadHash,
-            Xxh64::hash(b.data() + cf::kHeaderBytes, b.size() - cf::kHeaderBytes));
+            XXH3_64bits(b.data() + cf::kHeaderBytes, b.size() - cf::kHeaderBytes));
   }
-  put_u64(b, cf::kOffHeaderHash, Xxh64::hash(b.data(), cf::kOffHeaderHash));
+  put_u64(b, cf::kOffHeaderHash, XXH3_64bits(b.data(), cf::kOffHeaderHash));
 }
 
 class CacheFileTest : public ::testing::Test {
@@ -141,31 +136,7 @@ class CacheFileTest : public ::testing::Test {
 };
 
 // ---------------------------------------------------------------------------------------------
-// The hash.
-
-TEST(Xxh64Test, MatchesTheReferenceVectors) {
-  // From the xxHash repository's sanity tests (XXH64, seed 0).
-  EXPECT_EQ(Xxh64::hash("", 0), 0xEF46DB3751D8E999ull);
-  EXPECT_EQ(Xxh64::hash("abc", 3), 0x44BC2CF5AD770999ull);
-  // Regression (found by fuzz_cache_file): an empty store's tokens().data() is null, and
-  // update(nullptr, 0) used to pass it to memcpy, which UBSan reports.
-  EXPECT_EQ(Xxh64::hash(nullptr, 0), 0xEF46DB3751D8E999ull);
-}
-
-TEST(Xxh64Test, StreamingEqualsOneShotForEverySplit) {
-  std::vector<unsigned char> data(131);
-  for (std::size_t i = 0; i < data.size(); ++i) data[i] = static_cast<unsigned char>(i * 37 + 1);
-  for (std::size_t len : {0u, 1u, 3u, 4u, 7u, 8u, 31u, 32u, 33u, 63u, 64u, 100u, 131u}) {
-    const std::uint64_t whole = Xxh64::hash(data.data(), len, 7);
-    for (std::size_t cut = 0; cut <= len; ++cut) {
-      Xxh64 h(7);
-      h.update(data.data(), cut);
-      h.update(data.data() + cut, len - cut);
-      ASSERT_EQ(h.digest(), whole) << "length " << len << " split at " << cut;
-    }
-  }
-  EXPECT_NE(Xxh64::hash(data.data(), 64, 0), Xxh64::hash(data.data(), 64, 1));
-}
+// The model fingerprint.
 
 TEST(ModelFingerprintTest, DependsOnEveryWeightAndTheConfig) {
   const ModelConfig cfg = small_config(4, 2, 48);
@@ -222,8 +193,9 @@ TEST_F(CacheFileTest, RoundTripsDoubleStoresAndTheEmptyCache) {
 TEST_F(CacheFileTest, HeaderRecordsTheModelStoreAndTokens) {
   save_prefix(12);
   const CacheFileInfo info = kvdecode::read_cache_file_header(file_);
-  EXPECT_EQ(info.version, 1u);
-  EXPECT_EQ(info.store_kind, kvdecode::CacheFileStore<ContiguousStore<float>>::kKind);
+  EXPECT_EQ(info.version, 2u);
+  EXPECT_EQ(info.store_tag, 1u);
+  EXPECT_EQ(info.store_name, "contiguous");
   EXPECT_EQ(info.scalar_bytes, 4u);
   EXPECT_EQ(info.model, fingerprint_);
   EXPECT_EQ(info.n_layers, 2u);
@@ -231,7 +203,9 @@ TEST_F(CacheFileTest, HeaderRecordsTheModelStoreAndTokens) {
   EXPECT_EQ(info.head_size, 16u);
   EXPECT_EQ(info.capacity, 48u);
   EXPECT_EQ(info.n_tokens, 12u);
-  EXPECT_EQ(info.payload_bytes, 12u * 4 + 2u * 2 * 12 * 32 * 4);
+  EXPECT_EQ(info.options, (std::array<std::uint64_t, 6>{}));
+  // Token ids, then keys and values of 2 layers × 2 kv heads × 12 positions × head size 16.
+  EXPECT_EQ(info.payload_bytes, 12u * 4 + 2u * 2 * 2 * 12 * 16 * 4);
   EXPECT_EQ(fs::file_size(file_), cf::kHeaderBytes + info.payload_bytes);
 }
 
@@ -257,13 +231,29 @@ TEST_F(CacheFileTest, RestorePromptPrefixKeepsAtLeastOneTokenToRun) {
   std::vector<std::int32_t> other(tokens_.begin(), tokens_.begin() + 20);
   other[4] = (other[4] + 1) % static_cast<std::int32_t>(cfg_.vocab_size);
   EXPECT_THAT(error_of([&] { kvdecode::restore_prompt_prefix(fingerprint_, store, other, file_); }),
-              AllOf(HasSubstr("at position 4"), HasSubstr("saved for another prompt")));
+              HasSubstr("holds token " + std::to_string(tokens_[4]) +
+                        " at position 4 where the "
+                        "prompt has " +
+                        std::to_string(other[4]) + "; it was saved for another prompt"));
   EXPECT_EQ(store.size(), 9u);
   EXPECT_THAT(error_of([&] {
                 kvdecode::restore_prompt_prefix(fingerprint_, store, prompt.first(6), file_);
               }),
               HasSubstr("holds 10 tokens, more than the prompt's 6"));
   EXPECT_EQ(store.size(), 9u);
+  // restore_longest_prefix reuses what the two share: the first 4 tokens, the first 5 of 6.
+  EXPECT_EQ(kvdecode::restore_longest_prefix(fingerprint_, store, other, file_), 4u);
+  EXPECT_EQ(store.size(), 4u);
+  EXPECT_TRUE(same_contents(store, prefilled(10), 4));  // the saved rows, not recomputed ones
+  EXPECT_EQ(kvdecode::restore_longest_prefix(fingerprint_, store, prompt.first(6), file_), 5u);
+  EXPECT_EQ(store.size(), 5u);
+  // A refused file leaves the store as it was.
+  write_bytes(file_, {1, 2, 3});
+  EXPECT_THAT(error_of([&] {
+                kvdecode::restore_prompt_prefix(fingerprint_, store, prompt.first(30), file_);
+              }),
+              HasSubstr("file is 3 bytes, too short"));
+  EXPECT_EQ(store.size(), 5u);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -284,9 +274,9 @@ TEST_F(CacheFileTest, RejectsAFileThatIsNotACacheFile) {
 TEST_F(CacheFileTest, RejectsAnotherFormatVersion) {
   save_prefix(6);
   auto b = read_bytes(file_);
-  put_u32(b, cf::kOffVersion, 2);
+  put_u32(b, cf::kOffVersion, 1);
   write_bytes(file_, b);
-  expect_rejected(file_, "format version 2, this build reads version 1");
+  expect_rejected(file_, "format version 1, this build reads version 2");
 }
 
 TEST_F(CacheFileTest, RejectsACorruptedHeader) {
@@ -320,10 +310,10 @@ TEST_F(CacheFileTest, RejectsEveryTruncationAndATrailingByte) {
   }
   write_bytes(file_, std::vector<unsigned char>(good.begin(), good.end() - 1));
   expect_rejected(file_,
-                  "file is truncated: the header describes 3280 bytes (6 tokens), the file "
-                  "has 3279 (1 missing)");
+                  "file is truncated: the header describes 3328 bytes, the file has 3327 (1 "
+                  "missing)");
   write_bytes(file_, std::vector<unsigned char>(good.begin(), good.begin() + 100));
-  expect_rejected(file_, "truncated inside the 184-byte header");
+  expect_rejected(file_, "truncated inside the 232-byte header");
   auto longer = good;
   longer.push_back(0);
   write_bytes(file_, longer);
@@ -352,12 +342,22 @@ TEST_F(CacheFileTest, RejectsACacheOfAnotherModel) {
 TEST_F(CacheFileTest, RejectsAnotherStoreKindAndElementSize) {
   save_prefix(6);
   auto b = read_bytes(file_);
-  put_u32(b, cf::kOffStoreKind, 2);
+  put_u32(b, cf::kOffStoreTag, 2);
   reseal(b, false);
   write_bytes(file_, b);
   expect_rejected(file_,
-                  "saved from a paged store (kind 2), cannot restore into a contiguous "
-                  "store (kind 1)");
+                  "saved from a paged store (tag 2), cannot restore into a contiguous "
+                  "store (tag 1)");
+  put_u32(b, cf::kOffStoreTag, 77);
+  reseal(b, false);
+  write_bytes(file_, b);
+  expect_rejected(file_, "saved from a unknown store (tag 77)");
+  b = read_bytes(file_);
+  put_u32(b, cf::kOffStoreTag, 1);
+  put_u64(b, cf::kOffOptions + 8, 5);  // an option a contiguous store does not have
+  reseal(b, false);
+  write_bytes(file_, b);
+  expect_rejected(file_, "option field 1 is 5, a contiguous store has none there (expected 0)");
 
   ContiguousStore<double> wide(cfg_);
   kvdecode::save_cache(fingerprint_, wide, file_);
@@ -376,18 +376,32 @@ TEST_F(CacheFileTest, RejectsForgedSizesAndTokenIdsEvenWithValidChecksums) {
   save_prefix(6);
   const auto good = read_bytes(file_);
   auto b = good;
-  put_u64(b, cf::kOffTokens, get_u64(b, cf::kOffTokens) + 1);  // n_tokens 7, payload for 6
+  // n_tokens 7, payload for 6: the 7th token id is the first key's bytes, made a valid id, and
+  // then the values no longer fit.
+  put_u64(b, cf::kOffTokens, 7);
+  put_u32(b, cf::kHeaderBytes + 4 * 6, 0);
+  reseal(b, true);
+  write_bytes(file_, b);
+  expect_rejected(file_,
+                  "the values need 448 × 4 bytes, more than the 1276 payload bytes left for them: "
+                  "the payload is shorter than its sizes say");
+  b = good;
+  put_u64(b, cf::kOffTokens, 5);  // n_tokens 5: bytes are left over
+  reseal(b, false);
+  write_bytes(file_, b);
+  expect_rejected(file_, "516 payload byte(s) follow the store's data");
+  b = good;
+  put_u64(b, cf::kOffTokens, std::uint64_t{1} << 60);  // huge: refused before any allocation
   reseal(b, false);
   write_bytes(file_, b);
   expect_rejected(file_,
-                  "payload size field says 3096 bytes, but 7 tokens × 2 layers × 2 kv heads "
-                  "× head size 16 × 4-byte elements need 3612");
+                  "holds 1152921504606846976 positions, more than the target store's "
+                  "capacity 48");
   b = good;
-  put_u64(b, cf::kOffTokens, std::uint64_t{1} << 60);  // huge: refused before any allocation
-  put_u64(b, cf::kOffCapacity, std::uint64_t{1} << 60);
+  put_u64(b, cf::kOffPayloadBytes, std::uint64_t{1} << 62);  // the real size decides
   reseal(b, false);
   write_bytes(file_, b);
-  expect_rejected(file_, "more than 2^64");
+  expect_rejected(file_, "file is truncated");
   b = good;
   put_u32(b, cf::kHeaderBytes + 4 * 3, 53);  // token 3 = vocab_size
   reseal(b, true);

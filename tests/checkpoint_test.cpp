@@ -193,7 +193,7 @@ struct TensorAt {
   std::uint64_t elements;  // f32 count
 };
 
-// The v0 layout, from docs/llama2c-format.md §1, computed here without the library.
+// The v0 layout, from docs/FORMATS.md §2, computed here without the library.
 std::vector<TensorAt> v0_layout(const ModelConfig& c) {
   const auto dim = static_cast<std::uint64_t>(c.dim);
   const auto hidden = static_cast<std::uint64_t>(c.hidden_dim);

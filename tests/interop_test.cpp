@@ -92,7 +92,7 @@ std::span<const float> ref_row(const Fixture& f, std::size_t pos) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Logit comparison: |Δ| ≤ 1e-4 + 1e-4·|ref| per logit (llama2c-format.md §5: run.c's own -O3,
+// Logit comparison: |Δ| ≤ 1e-4 + 1e-4·|ref| per logit (docs/FORMATS.md §2: run.c's own -O3,
 // -Ofast and float64 versions differ by ≈ 1.3e-5 with |logit| ≤ 10.4).
 
 struct LogitCheck {

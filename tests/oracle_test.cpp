@@ -95,7 +95,7 @@ void check_shape(const Fixture& f, const OracleCase& c) {
 
 // ---------------------------------------------------------------------------------------------
 // Logit comparison: |Δ| ≤ 1e-4 + 1e-4·|ref| per logit. The reference is float64 over the same
-// f32 weights, so Δ is our f32 rounding alone: llama2c-format.md §5 measures ≈ 1e-5 for run.c's
+// f32 weights, so Δ is our f32 rounding alone: docs/FORMATS.md §2 gives ≈ 1e-5 for run.c's
 // f32 against float64 on a model of this size, and the bound is ten times that.
 
 struct LogitCheck {

@@ -7,7 +7,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-packages=(cmake make g++ libeigen3-dev libgtest-dev libgmock-dev libbenchmark-dev libcli11-dev)
+packages=(cmake make g++ libeigen3-dev libxxhash-dev libgtest-dev libgmock-dev libbenchmark-dev
+          libcli11-dev)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -15,7 +15,7 @@ Text: the KJV (1611; public domain) as printed by Debian's bible-kjv program fro
 bible-kjv-text package, one verse a line (verse numbers and chapter headings dropped), one
 chapter a document (BOS before each). Every 40th chapter is held out for validation.
 
-The model code here is written from docs/llama2c-format.md (llama2.c model.py / run.c math):
+The model code here is written from docs/FORMATS.md §2 (llama2.c model.py / run.c math):
 RMSNorm (eps 1e-5), RoPE on adjacent pairs (theta 10000), SwiGLU, GQA with query head h using kv
 head h // kv_mul, shared embedding/classifier. The oracle runs it in float64 with full-sequence
 causal attention (no KV cache), so it shares no code with the C++ library.
@@ -142,7 +142,7 @@ def train_bpe(texts, vocab_size):
 
 
 class RunCTokenizer:
-    """run.c encode()/decode(), as restated in docs/llama2c-format.md section 3. The merge loop
+    """run.c encode()/decode(), as restated in docs/FORMATS.md section 3. The merge loop
     uses a heap instead of run.c's repeated scans; it makes the same choices: the pair whose
     merged piece scores highest, the leftmost on ties (heap key (-score, left token's position))."""
 

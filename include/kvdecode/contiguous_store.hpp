@@ -3,10 +3,13 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <limits>
 #include <span>
+#include <string_view>
+#include <vector>
 
 #include "kvdecode/aligned_buffer.hpp"
 #include "kvdecode/detail/store_sizes.hpp"
@@ -28,6 +31,9 @@ template <class T>
 class ContiguousStore {
  public:
   using Scalar = T;
+  // Its name in messages and its tag in cache files (tags are fixed forever: docs/FORMATS.md).
+  static constexpr std::string_view kName = "contiguous";
+  static constexpr std::uint32_t kFileTag = 1;
 
   struct Options {
     std::size_t capacity = 0;  ///< positions it holds; 0 means cfg.seq_len
@@ -142,6 +148,64 @@ class ContiguousStore {
     tokens_.copy_from(other.tokens_);
     size_ = other.size_;
     pending_ = other.pending_;
+  }
+
+  // ---------------------------------------------------------------------------------------------
+  // Cache file (io/cache_file.hpp; the payload layout is in docs/FORMATS.md).
+
+  /// No option beyond the shape: a file restores into any capacity that holds its tokens.
+  static constexpr std::array<std::string_view, 0> kFileOptionNames = {};
+  std::array<std::uint64_t, 0> file_options() const { return {}; }
+
+  /// The committed positions: token ids [n], then per (layer, kv head) keys [n][head_size] and
+  /// values [n][head_size], each one copy out of the head-major buffers.
+  template <class Out>
+  void save_payload(Out& out) const {
+    out.write(tokens_.data(), size_);
+    for (std::size_t l = 0; l < n_layers_; ++l)
+      for (std::size_t h = 0; h < n_kv_heads_; ++h) {
+        out.write(keys_.data() + offset(l, h, 0), size_ * head_size_);
+        out.write(values_.data() + offset(l, h, 0), size_ * head_size_);
+      }
+  }
+
+  /// A payload read by read_payload(), waiting for commit_payload().
+  struct FileState {
+    std::vector<std::int32_t> tokens;  // [n]
+    std::vector<T> keys;               // [n_layers][n_kv_heads][n][head_size]
+    std::vector<T> values;             // [n_layers][n_kv_heads][n][head_size]
+    std::span<const std::int32_t> saved_tokens() const { return tokens; }
+  };
+
+  /// Reads the payload of in.n_tokens() positions (the caller checked they fit the capacity).
+  template <class In>
+  FileState read_payload(In& in) const {
+    const auto n = static_cast<std::size_t>(in.n_tokens());
+    FileState s;
+    s.tokens = in.tokens(n, "token ids");
+    const std::size_t run = n * head_size_;
+    in.alloc(s.keys, n_layers_ * n_kv_heads_ * run, "keys");
+    in.alloc(s.values, s.keys.size(), "values");
+    for (std::size_t lh = 0; lh < n_layers_ * n_kv_heads_; ++lh) {
+      in.read(s.keys.data() + lh * run, run, "keys");
+      in.read(s.values.data() + lh * run, run, "values");
+    }
+    return s;
+  }
+
+  /// Replaces the contents with a read payload; cannot fail.
+  void commit_payload(FileState& s) noexcept {
+    const std::size_t n = s.tokens.size();
+    const std::size_t run = n * head_size_;
+    std::copy_n(s.tokens.data(), n, tokens_.data());
+    for (std::size_t l = 0; l < n_layers_; ++l)
+      for (std::size_t h = 0; h < n_kv_heads_; ++h) {
+        const std::size_t lh = l * n_kv_heads_ + h;
+        std::copy_n(s.keys.data() + lh * run, run, keys_.data() + offset(l, h, 0));
+        std::copy_n(s.values.data() + lh * run, run, values_.data() + offset(l, h, 0));
+      }
+    size_ = n;
+    pending_ = 0;
   }
 
  private:

@@ -4,12 +4,15 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <limits>
 #include <span>
+#include <string_view>
 #include <type_traits>
+#include <vector>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -41,6 +44,9 @@ template <class T>
 class Int8Store {
  public:
   using Scalar = T;
+  // Its name in messages and its tag in cache files (tags are fixed forever: docs/FORMATS.md).
+  static constexpr std::string_view kName = "int8";
+  static constexpr std::uint32_t kFileTag = 3;
   /// Rows for_each_block dequantizes per sink call, as Q4Store's default group: 64 rows of K
   /// and V are 24 KiB of f32 scratch at head_size 48 (in a 32 KiB L1 while attention consumes
   /// them) and 64 KiB at 128 (in L2). 128 rows decoded the 15M shape at 16K context ~20 %
@@ -184,6 +190,72 @@ class Int8Store {
   }
   float value_scale(std::size_t layer, std::size_t kv_head, std::size_t index) const {
     return value_scales_[row(layer, kv_head, index)];
+  }
+
+  // ---------------------------------------------------------------------------------------------
+  // Cache file (io/cache_file.hpp; the payload layout is in docs/FORMATS.md). The codes and
+  // scales are saved as stored, so a restored store reads and continues bit for bit.
+
+  static constexpr std::array<std::string_view, 0> kFileOptionNames = {};
+  std::array<std::uint64_t, 0> file_options() const { return {}; }
+
+  /// Token ids [n], then per (layer, kv head) key codes [n][head_size], value codes
+  /// [n][head_size], key scales [n] and value scales [n].
+  template <class Out>
+  void save_payload(Out& out) const {
+    out.write(tokens_.data(), size_);
+    for (std::size_t lh = 0; lh < n_layers_ * n_kv_heads_; ++lh) {
+      out.write(keys_.data() + lh * capacity_ * head_size_, size_ * head_size_);
+      out.write(values_.data() + lh * capacity_ * head_size_, size_ * head_size_);
+      out.write(key_scales_.data() + lh * capacity_, size_);
+      out.write(value_scales_.data() + lh * capacity_, size_);
+    }
+  }
+
+  /// A payload read by read_payload(), waiting for commit_payload().
+  struct FileState {
+    std::vector<std::int32_t> tokens;  // [n]
+    std::vector<std::int8_t> keys;     // [n_layers][n_kv_heads][n][head_size] codes
+    std::vector<std::int8_t> values;   // [n_layers][n_kv_heads][n][head_size] codes
+    std::vector<float> key_scales;     // [n_layers][n_kv_heads][n]
+    std::vector<float> value_scales;   // [n_layers][n_kv_heads][n]
+    std::span<const std::int32_t> saved_tokens() const { return tokens; }
+  };
+
+  /// Reads the payload of in.n_tokens() positions (the caller checked they fit the capacity).
+  template <class In>
+  FileState read_payload(In& in) const {
+    const auto n = static_cast<std::size_t>(in.n_tokens());
+    const std::size_t heads = n_layers_ * n_kv_heads_;
+    FileState s;
+    s.tokens = in.tokens(n, "token ids");
+    in.alloc(s.keys, heads * n * head_size_, "key codes");
+    in.alloc(s.values, s.keys.size(), "value codes");
+    in.alloc(s.key_scales, heads * n, "key scales");
+    in.alloc(s.value_scales, heads * n, "value scales");
+    for (std::size_t lh = 0; lh < heads; ++lh) {
+      in.read(s.keys.data() + lh * n * head_size_, n * head_size_, "key codes");
+      in.read(s.values.data() + lh * n * head_size_, n * head_size_, "value codes");
+      in.read(s.key_scales.data() + lh * n, n, "key scales");
+      in.read(s.value_scales.data() + lh * n, n, "value scales");
+    }
+    return s;
+  }
+
+  /// Replaces the contents with a read payload; cannot fail.
+  void commit_payload(FileState& s) noexcept {
+    const std::size_t n = s.tokens.size();
+    std::copy_n(s.tokens.data(), n, tokens_.data());
+    for (std::size_t lh = 0; lh < n_layers_ * n_kv_heads_; ++lh) {
+      std::copy_n(s.keys.data() + lh * n * head_size_, n * head_size_,
+                  keys_.data() + lh * capacity_ * head_size_);
+      std::copy_n(s.values.data() + lh * n * head_size_, n * head_size_,
+                  values_.data() + lh * capacity_ * head_size_);
+      std::copy_n(s.key_scales.data() + lh * n, n, key_scales_.data() + lh * capacity_);
+      std::copy_n(s.value_scales.data() + lh * n, n, value_scales_.data() + lh * capacity_);
+    }
+    size_ = n;
+    pending_ = 0;
   }
 
  private:

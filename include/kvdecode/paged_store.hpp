@@ -3,10 +3,12 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cassert>
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -37,6 +39,9 @@ template <class T>
 class PagedStore {
  public:
   using Scalar = T;
+  // Its name in messages and its tag in cache files (tags are fixed forever: docs/FORMATS.md).
+  static constexpr std::string_view kName = "paged";
+  static constexpr std::uint32_t kFileTag = 2;
 
   /// What a sequence's memory depends on: the pool's block size and the sequence length.
   struct Options {
@@ -312,6 +317,202 @@ class PagedStore {
   const BlockPool<T>* pool() const { return pool_; }
   /// A number naming this sequence in error messages (unique within its pool).
   std::uint64_t id() const { return id_; }
+
+  // ---------------------------------------------------------------------------------------------
+  // Cache file (io/cache_file.hpp; the payload layout is in docs/FORMATS.md). Sequences are
+  // saved with their pool's blocks: each block once however many sequences hold it, so a restore
+  // rebuilds the same sharing (reference counts) and re-enters the full blocks in the prefix
+  // cache. One sequence saved through save_cache is a pool file of one sequence.
+
+  /// Block tables count in blocks of this many positions.
+  static constexpr std::array<std::string_view, 1> kFileOptionNames = {"block_size"};
+  std::array<std::uint64_t, 1> file_options() const {
+    return {pool_ == nullptr ? 0 : pool_->block_size()};
+  }
+
+  /// Sequences and blocks read by read_pool_payload(), waiting for commit_pool_payload().
+  struct FileState {
+    struct Sequence {
+      std::vector<std::int32_t> tokens;  // [size]
+      std::vector<std::uint64_t> table;  // [ceil(size / block_size)] index into the saved blocks
+    };
+    std::vector<Sequence> sequences;
+    std::vector<std::uint64_t> rows;     // [n_saved] rows of each saved block in use
+    std::vector<std::uint64_t> holders;  // [n_saved] table entries naming each saved block
+    std::vector<std::uint64_t> first;    // [n_saved] element offset of each block's rows below
+    std::vector<T> keys, values;         // per saved block [n_layers][n_kv_heads][rows][head_size]
+    std::span<const std::int32_t> saved_tokens() const { return sequences.front().tokens; }
+  };
+
+  /// n_sequences, n_saved (u64 each); per sequence its size (u64), block table (u64 × ⌈size /
+  /// block_size⌉, indices into the saved blocks) and token ids [size]; then per saved block, per
+  /// (layer, kv head), keys and values [rows][head_size] each, rows = the most any holder uses.
+  template <class Out>
+  static void save_pool_payload(Out& out, const BlockPool<T>& pool,
+                                std::span<const PagedStore* const> sequences) {
+    const std::size_t bs = pool.block_size(), hs = pool.head_size();
+    std::vector<std::size_t> index(pool.n_blocks(), kNone);  // [n_blocks] saved index or kNone
+    std::vector<std::size_t> saved, rows;                    // [n_saved] pool id, rows in use
+    for (const PagedStore* s : sequences)
+      for (std::size_t i = 0; i < s->table_.size(); ++i) {
+        const std::size_t b = s->table_[i];
+        if (index[b] == kNone) {
+          index[b] = saved.size();
+          saved.push_back(b);
+          rows.push_back(0);
+        }
+        rows[index[b]] = std::max(rows[index[b]], std::min(bs, s->size_ - i * bs));
+      }
+    out.u64(sequences.size());
+    out.u64(saved.size());
+    for (const PagedStore* s : sequences) {
+      out.u64(s->size_);
+      for (const std::size_t b : s->table_) out.u64(index[b]);
+      out.write(s->tokens_.data(), s->size_);
+    }
+    for (std::size_t k = 0; k < saved.size(); ++k)
+      for (std::size_t l = 0; l < pool.n_layers(); ++l)
+        for (std::size_t h = 0; h < pool.n_kv_heads(); ++h) {
+          out.write(pool.keys(saved[k], l, h), rows[k] * hs);
+          out.write(pool.values(saved[k], l, h), rows[k] * hs);
+        }
+  }
+
+  /// Reads a pool payload for `targets` (as many as the file holds, each on `pool`, distinct,
+  /// none mid-append): checks every size, table entry and token id, and that the pool has the
+  /// blocks once the targets' own are released. Changes nothing.
+  template <class In>
+  static FileState read_pool_payload(In& in, const BlockPool<T>& pool,
+                                     std::span<const PagedStore* const> targets) {
+    const std::string& ctx = in.context();
+    const std::size_t bs = pool.block_size(), hs = pool.head_size();
+    for (std::size_t q = 0; q < targets.size(); ++q) {
+      const PagedStore* t = targets[q];
+      KVDECODE_CHECK(t->pool_ == &pool, ctx, ": target sequence ", q, " is not on the pool");
+      KVDECODE_CHECK(t->pending_ == 0, ctx, ": cannot restore into sequence ", t->id_, " with ",
+                     t->pending_, " pending positions of an open append");
+      KVDECODE_CHECK(std::find(targets.begin(), targets.begin() + static_cast<std::ptrdiff_t>(q),
+                               t) == targets.begin() + static_cast<std::ptrdiff_t>(q),
+                     ctx, ": target sequence ", q, " is given twice");
+    }
+    const std::uint64_t n_seq = in.u64("sequence count");
+    KVDECODE_CHECK(n_seq == targets.size(), ctx, ": holds ", n_seq, " sequence(s), ",
+                   targets.size(), " given to restore into");
+    const std::uint64_t n_saved = in.u64("block count");
+    in.check_count(n_saved, sizeof(std::uint64_t), "saved blocks");  // each in a table
+    FileState s;
+    s.rows.resize(static_cast<std::size_t>(n_saved));
+    s.holders.resize(s.rows.size());
+    s.first.resize(s.rows.size());
+    std::vector<char> seen(s.rows.size(), 0);  // [n_saved] named by the current table
+    s.sequences.resize(targets.size());        // as many as the caller passed
+    std::uint64_t total = 0;
+    for (std::size_t q = 0; q < targets.size(); ++q) {
+      typename FileState::Sequence& seq = s.sequences[q];
+      const std::uint64_t size = in.u64("sequence size");
+      KVDECODE_CHECK(size <= pool.max_seq_len(), ctx, ": sequence ", q, " holds ", size,
+                     " positions, more than the pool's max_seq_len ", pool.max_seq_len());
+      total += size;
+      const std::size_t n = static_cast<std::size_t>(size);
+      in.alloc(seq.table, (n + bs - 1) / bs, "block table");
+      in.read(seq.table.data(), seq.table.size(), "block table");
+      for (std::size_t i = 0; i < seq.table.size(); ++i) {
+        const std::uint64_t k = seq.table[i];
+        KVDECODE_CHECK(k < n_saved, ctx, ": sequence ", q, " table entry ", i,
+                       " names saved block ", k, " of ", n_saved);
+        KVDECODE_CHECK(!seen[k], ctx, ": sequence ", q, " table entry ", i, " names saved block ",
+                       k, " a second time");
+        seen[k] = 1;
+        s.rows[k] = std::max<std::uint64_t>(s.rows[k], std::min(bs, n - i * bs));
+        ++s.holders[k];
+      }
+      for (const std::uint64_t k : seq.table) seen[k] = 0;
+      seq.tokens = in.tokens(n, "token ids");
+    }
+    KVDECODE_CHECK(total == in.n_tokens(), ctx, ": the sequences hold ", total,
+                   " positions, the header says ", in.n_tokens());
+    std::uint64_t elems = 0;
+    for (std::size_t k = 0; k < n_saved; ++k) {
+      KVDECODE_CHECK(s.holders[k] > 0, ctx, ": saved block ", k, " is in no sequence's table");
+      s.first[k] = elems;
+      elems += pool.n_layers() * pool.n_kv_heads() * s.rows[k] * hs;
+    }
+    in.alloc(s.keys, elems, "block keys");
+    in.alloc(s.values, elems, "block values");
+    for (std::size_t k = 0; k < n_saved; ++k) {
+      T* kd = s.keys.data() + s.first[k];
+      T* vd = s.values.data() + s.first[k];
+      const std::size_t run = static_cast<std::size_t>(s.rows[k]) * hs;
+      for (std::size_t lh = 0; lh < pool.n_layers() * pool.n_kv_heads(); ++lh) {
+        in.read(kd + lh * run, run, "block keys");
+        in.read(vd + lh * run, run, "block values");
+      }
+    }
+    // Blocks the targets alone hold come back to the pool when they are released.
+    std::vector<std::size_t> refs(pool.n_blocks(), 0);  // [n_blocks] held by the targets
+    std::size_t freed = 0;
+    for (const PagedStore* t : targets)
+      for (const std::size_t b : t->table_)
+        if (++refs[b] == pool.ref_count(b)) ++freed;
+    KVDECODE_CHECK(n_saved <= pool.n_available() + freed, ctx, ": needs ", n_saved,
+                   " blocks, the pool has ", pool.n_available(), " available and the sequences ",
+                   "restored into free ", freed, " (of ", pool.n_blocks(), ")");
+    return s;
+  }
+
+  /// Replaces the targets' contents with the read sequences, sharing blocks as saved, and
+  /// enters their full blocks in the prefix cache; cannot fail (read_pool_payload checked).
+  static void commit_pool_payload(BlockPool<T>& pool, std::span<PagedStore* const> targets,
+                                  FileState& s) noexcept {
+    for (PagedStore* t : targets) t->release();
+    const std::size_t bs = pool.block_size(), hs = pool.head_size();
+    std::vector<std::uint64_t>& ids = s.first;  // reused: saved index → pool block id
+    for (std::size_t k = 0; k < ids.size(); ++k) {
+      const std::size_t b = pool.acquire();
+      for (std::uint64_t r = 1; r < s.holders[k]; ++r) pool.retain(b);
+      const std::size_t run = static_cast<std::size_t>(s.rows[k]) * hs;
+      const T* kd = s.keys.data() + ids[k];
+      const T* vd = s.values.data() + ids[k];
+      for (std::size_t l = 0, lh = 0; l < pool.n_layers(); ++l)
+        for (std::size_t h = 0; h < pool.n_kv_heads(); ++h, ++lh) {
+          std::copy_n(kd + lh * run, run, pool.keys(b, l, h));
+          std::copy_n(vd + lh * run, run, pool.values(b, l, h));
+        }
+      ids[k] = b;
+    }
+    for (std::size_t q = 0; q < targets.size(); ++q) {
+      PagedStore& t = *targets[q];
+      const typename FileState::Sequence& seq = s.sequences[q];
+      // Within the reservations made for max_seq_len at construction: no allocation.
+      for (const std::uint64_t k : seq.table) t.table_.push_back(static_cast<std::size_t>(ids[k]));
+      t.tokens_.assign(seq.tokens.begin(), seq.tokens.end());
+      t.size_ = seq.tokens.size();
+      for (std::size_t i = 0; i < t.size_ / bs; ++i) {
+        const auto parent = i == 0 ? BlockPool<T>::kRootPrefix : t.prefixes_[i - 1];
+        t.prefixes_.push_back(pool.register_full(
+            t.table_[i], parent, std::span<const std::int32_t>(t.tokens_).subspan(i * bs, bs)));
+      }
+    }
+  }
+
+  /// save_cache of one sequence: a pool payload holding it alone.
+  template <class Out>
+  void save_payload(Out& out) const {
+    const PagedStore* self = this;
+    save_pool_payload(out, *pool_, std::span<const PagedStore* const>(&self, 1));
+  }
+  /// restore_cache into one sequence: a pool payload of one sequence, into this one's pool.
+  template <class In>
+  FileState read_payload(In& in) const {
+    KVDECODE_CHECK(pool_ != nullptr, in.context(),
+                   ": cannot restore into a sequence without a pool");
+    const PagedStore* self = this;
+    return read_pool_payload(in, *pool_, std::span<const PagedStore* const>(&self, 1));
+  }
+  void commit_payload(FileState& s) noexcept {
+    PagedStore* self = this;
+    commit_pool_payload(*pool_, std::span<PagedStore* const>(&self, 1), s);
+  }
 
  private:
   static constexpr std::size_t kNone = BlockPool<T>::kNone;

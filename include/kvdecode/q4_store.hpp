@@ -4,11 +4,13 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <limits>
 #include <span>
+#include <string_view>
 #include <type_traits>
 #include <vector>
 
@@ -47,6 +49,9 @@ template <class T>
 class Q4Store {
  public:
   using Scalar = T;
+  // Its name in messages and its tag in cache files (tags are fixed forever: docs/FORMATS.md).
+  static constexpr std::string_view kName = "q4";
+  static constexpr std::uint32_t kFileTag = 5;
   static constexpr std::size_t kDefaultGroup = 64;
   static constexpr float kLevels = 15.0f;
 
@@ -288,6 +293,105 @@ class Q4Store {
   }
   float value_step(std::size_t layer, std::size_t kv_head, std::size_t index) const {
     return value_step_[group_base(layer, kv_head, 0) * group_ + index];
+  }
+
+  // ---------------------------------------------------------------------------------------------
+  // Cache file (io/cache_file.hpp; the payload layout is in docs/FORMATS.md). The quantized
+  // groups are saved as codes and ranges and the partial group as its full-precision staging
+  // rows, all exactly as stored: nothing is requantized, so a restored store reads and continues
+  // bit for bit.
+
+  /// The group size G: codes and ranges mean nothing under another G.
+  static constexpr std::array<std::string_view, 1> kFileOptionNames = {"group"};
+  std::array<std::uint64_t, 1> file_options() const { return {group_}; }
+
+  /// Token ids [n], then per (layer, kv head), with q = n / G full groups and p = n mod G
+  /// staged rows: key codes [q][G][head_size/2], value codes [q][G][head_size/2], key min and
+  /// key step [q][head_size] each, value min and value step [q·G] each, staged keys and values
+  /// [p][head_size] each.
+  template <class Out>
+  void save_payload(Out& out) const {
+    const std::size_t q = size_ / group_, p = size_ % group_, hs = head_size_;
+    out.write(tokens_.data(), size_);
+    for (std::size_t lh = 0; lh < n_layers_ * n_kv_heads_; ++lh) {
+      const std::size_t g0 = lh * n_groups_;  // group_base(l, h, 0)
+      out.write(key_codes_.data() + g0 * group_ * hs / 2, q * group_ * hs / 2);
+      out.write(value_codes_.data() + g0 * group_ * hs / 2, q * group_ * hs / 2);
+      out.write(key_min_.data() + g0 * hs, q * hs);
+      out.write(key_step_.data() + g0 * hs, q * hs);
+      out.write(value_min_.data() + g0 * group_, q * group_);
+      out.write(value_step_.data() + g0 * group_, q * group_);
+      out.write(stage_keys_.data() + lh * group_ * hs, p * hs);
+      out.write(stage_values_.data() + lh * group_ * hs, p * hs);
+    }
+  }
+
+  /// A payload read by read_payload(), waiting for commit_payload(); per (layer, kv head) runs
+  /// of the sizes save_payload() lists, one after another.
+  struct FileState {
+    std::vector<std::int32_t> tokens;          // [n]
+    std::vector<std::uint8_t> key_codes;       // [n_layers][n_kv_heads][q][G][head_size/2]
+    std::vector<std::uint8_t> value_codes;     // [n_layers][n_kv_heads][q][G][head_size/2]
+    std::vector<float> key_min, key_step;      // [n_layers][n_kv_heads][q][head_size] each
+    std::vector<float> value_min, value_step;  // [n_layers][n_kv_heads][q·G] each
+    std::vector<T> stage_keys, stage_values;   // [n_layers][n_kv_heads][p][head_size] each
+    std::span<const std::int32_t> saved_tokens() const { return tokens; }
+  };
+
+  /// Reads the payload of in.n_tokens() positions (the caller checked they fit the capacity).
+  template <class In>
+  FileState read_payload(In& in) const {
+    const auto n = static_cast<std::size_t>(in.n_tokens());
+    const std::size_t q = n / group_, p = n % group_, hs = head_size_;
+    const std::size_t heads = n_layers_ * n_kv_heads_;
+    FileState s;
+    s.tokens = in.tokens(n, "token ids");
+    in.alloc(s.key_codes, heads * q * group_ * hs / 2, "key codes");
+    in.alloc(s.value_codes, s.key_codes.size(), "value codes");
+    in.alloc(s.key_min, heads * q * hs, "key minima");
+    in.alloc(s.key_step, s.key_min.size(), "key steps");
+    in.alloc(s.value_min, heads * q * group_, "value minima");
+    in.alloc(s.value_step, s.value_min.size(), "value steps");
+    in.alloc(s.stage_keys, heads * p * hs, "staged keys");
+    in.alloc(s.stage_values, s.stage_keys.size(), "staged values");
+    for (std::size_t lh = 0; lh < heads; ++lh) {
+      in.read(s.key_codes.data() + lh * q * group_ * hs / 2, q * group_ * hs / 2, "key codes");
+      in.read(s.value_codes.data() + lh * q * group_ * hs / 2, q * group_ * hs / 2, "value codes");
+      in.read(s.key_min.data() + lh * q * hs, q * hs, "key minima");
+      in.read(s.key_step.data() + lh * q * hs, q * hs, "key steps");
+      in.read(s.value_min.data() + lh * q * group_, q * group_, "value minima");
+      in.read(s.value_step.data() + lh * q * group_, q * group_, "value steps");
+      in.read(s.stage_keys.data() + lh * p * hs, p * hs, "staged keys");
+      in.read(s.stage_values.data() + lh * p * hs, p * hs, "staged values");
+    }
+    return s;
+  }
+
+  /// Replaces the contents with a read payload; cannot fail (n ≤ capacity, so q ≤ n_groups).
+  void commit_payload(FileState& s) noexcept {
+    const std::size_t n = s.tokens.size();
+    const std::size_t q = n / group_, p = n % group_, hs = head_size_;
+    std::copy_n(s.tokens.data(), n, tokens_.data());
+    for (std::size_t lh = 0; lh < n_layers_ * n_kv_heads_; ++lh) {
+      const std::size_t g0 = lh * n_groups_;
+      const std::size_t codes = q * group_ * hs / 2;
+      std::copy_n(s.key_codes.data() + lh * codes, codes, key_codes_.data() + g0 * group_ * hs / 2);
+      std::copy_n(s.value_codes.data() + lh * codes, codes,
+                  value_codes_.data() + g0 * group_ * hs / 2);
+      std::copy_n(s.key_min.data() + lh * q * hs, q * hs, key_min_.data() + g0 * hs);
+      std::copy_n(s.key_step.data() + lh * q * hs, q * hs, key_step_.data() + g0 * hs);
+      std::copy_n(s.value_min.data() + lh * q * group_, q * group_,
+                  value_min_.data() + g0 * group_);
+      std::copy_n(s.value_step.data() + lh * q * group_, q * group_,
+                  value_step_.data() + g0 * group_);
+      std::copy_n(s.stage_keys.data() + lh * p * hs, p * hs, stage_keys_.data() + lh * group_ * hs);
+      std::copy_n(s.stage_values.data() + lh * p * hs, p * hs,
+                  stage_values_.data() + lh * group_ * hs);
+    }
+    size_ = n;
+    pending_ = 0;
+    saved_ = false;
+    std::fill(written_.begin(), written_.end(), size_);
   }
 
  private:

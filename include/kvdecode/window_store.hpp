@@ -4,10 +4,12 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <limits>
 #include <span>
+#include <string_view>
 #include <vector>
 
 #include "kvdecode/aligned_buffer.hpp"
@@ -71,6 +73,9 @@ template <class T>
 class WindowStore {
  public:
   using Scalar = T;
+  // Its name in messages and its tag in cache files (tags are fixed forever: docs/FORMATS.md).
+  static constexpr std::string_view kName = "window";
+  static constexpr std::uint32_t kFileTag = 4;
   /// Keys rotated per sink call under kStreaming: [kRotateRows][head_size] of scratch.
   static constexpr std::size_t kRotateRows = 128;
 
@@ -335,12 +340,109 @@ class WindowStore {
     }
   }
 
+  // ---------------------------------------------------------------------------------------------
+  // Cache file (io/cache_file.hpp; the payload layout is in docs/FORMATS.md). The resident rows
+  // are saved as stored (keys rotated at their write position), with the oldest resident index,
+  // so a restored store reads, continues and rolls back exactly as the saved one.
+
+  /// The ring's geometry and the RoPE positions depend on all four; max_positions does not
+  /// (it only bounds the length, checked against the target's capacity).
+  static constexpr std::array<std::string_view, 4> kFileOptionNames = {"window", "sinks", "policy",
+                                                                       "max_chunk"};
+  /// policy: 0 kTrainedWindow, 1 kStreaming.
+  std::array<std::uint64_t, 4> file_options() const {
+    return {window_, sinks_, policy_ == WindowPolicy::kStreaming ? 1u : 0u, max_chunk_};
+  }
+
+  /// Token ids [n], the oldest resident non-sink index (u64), then per (layer, kv head) the
+  /// sink keys and values [min(S, n)][head_size] each and the ring's keys and values of cache
+  /// indices [lo, n) in index order, lo = max(S, oldest, n - R), [n - lo][head_size] each.
+  template <class Out>
+  void save_payload(Out& out) const {
+    const std::size_t ns = std::min(sinks_, size_), lo = resident_from(size_, oldest_);
+    out.write(tokens_.data(), size_);
+    out.u64(oldest_);
+    for (std::size_t lh = 0; lh < n_layers_ * n_kv_heads_; ++lh) {
+      out.write(sink_keys_.data() + lh * sinks_ * head_size_, ns * head_size_);
+      out.write(sink_values_.data() + lh * sinks_ * head_size_, ns * head_size_);
+      for (const AlignedBuffer<T>* ring : {&ring_keys_, &ring_values_})
+        for (std::size_t x = lo; x < size_; ++x)
+          out.write(ring->data() + (lh * ring_ + (x - sinks_) % ring_) * head_size_, head_size_);
+    }
+  }
+
+  /// A payload read by read_payload(), waiting for commit_payload().
+  struct FileState {
+    std::vector<std::int32_t> tokens;       // [n]
+    std::size_t oldest = 0, lo = 0;         // oldest resident index; first ring index saved
+    std::size_t sinks = 0, window = 0;      // the store's S and W
+    std::vector<T> sink_keys, sink_values;  // [n_layers][n_kv_heads][min(S, n)][head_size]
+    std::vector<T> ring_keys, ring_values;  // [n_layers][n_kv_heads][n - lo][head_size]
+    std::span<const std::int32_t> saved_tokens() const { return tokens; }
+    /// Whether truncate(n) would succeed once committed: the condition truncate() checks.
+    bool can_truncate(std::size_t n) const {
+      const std::size_t needed = std::max(sinks, n + 1 > window ? n + 1 - window : 0);
+      return n <= tokens.size() && (needed >= n || oldest <= needed);
+    }
+  };
+
+  /// Reads the payload of in.n_tokens() positions (the caller checked they fit the capacity
+  /// and that the file's options are this store's).
+  template <class In>
+  FileState read_payload(In& in) const {
+    const auto n = static_cast<std::size_t>(in.n_tokens());
+    const std::size_t heads = n_layers_ * n_kv_heads_, hs = head_size_;
+    FileState s;
+    s.tokens = in.tokens(n, "token ids");
+    const std::uint64_t oldest = in.u64("oldest resident index");
+    KVDECODE_CHECK(oldest >= sinks_ && oldest <= std::max(sinks_, n), in.context(),
+                   ": oldest resident index ", oldest, " lies outside [S, max(S, n)] = [", sinks_,
+                   ", ", std::max(sinks_, n), "]");
+    s.oldest = static_cast<std::size_t>(oldest);
+    s.lo = resident_from(n, s.oldest);
+    s.sinks = sinks_;
+    s.window = window_;
+    const std::size_t ns = std::min(sinks_, n), nr = n - std::min(n, s.lo);
+    in.alloc(s.sink_keys, heads * ns * hs, "sink keys");
+    in.alloc(s.sink_values, s.sink_keys.size(), "sink values");
+    in.alloc(s.ring_keys, heads * nr * hs, "ring keys");
+    in.alloc(s.ring_values, s.ring_keys.size(), "ring values");
+    for (std::size_t lh = 0; lh < heads; ++lh) {
+      in.read(s.sink_keys.data() + lh * ns * hs, ns * hs, "sink keys");
+      in.read(s.sink_values.data() + lh * ns * hs, ns * hs, "sink values");
+      in.read(s.ring_keys.data() + lh * nr * hs, nr * hs, "ring keys");
+      in.read(s.ring_values.data() + lh * nr * hs, nr * hs, "ring values");
+    }
+    return s;
+  }
+
+  /// Replaces the contents with a read payload; cannot fail.
+  void commit_payload(FileState& s) noexcept {
+    const std::size_t n = s.tokens.size(), hs = head_size_;
+    const std::size_t ns = std::min(sinks_, n), nr = n - std::min(n, s.lo);
+    std::copy_n(s.tokens.data(), n, tokens_.data());
+    for (std::size_t lh = 0; lh < n_layers_ * n_kv_heads_; ++lh) {
+      std::copy_n(s.sink_keys.data() + lh * ns * hs, ns * hs, sink_keys_.data() + lh * sinks_ * hs);
+      std::copy_n(s.sink_values.data() + lh * ns * hs, ns * hs,
+                  sink_values_.data() + lh * sinks_ * hs);
+      for (std::size_t r = 0; r < nr; ++r) {
+        const std::size_t at = (lh * ring_ + (s.lo + r - sinks_) % ring_) * hs;
+        std::copy_n(s.ring_keys.data() + (lh * nr + r) * hs, hs, ring_keys_.data() + at);
+        std::copy_n(s.ring_values.data() + (lh * nr + r) * hs, hs, ring_values_.data() + at);
+      }
+    }
+    size_ = n;
+    pending_ = 0;
+    oldest_ = s.oldest;
+    std::fill(written_.begin(), written_.end(), size_);
+  }
+
  private:
   /// The lowest ring index attention is handed for cache indices [0, end) when w rows are
   /// written: past the sinks, the oldest still resident, and under a full streaming cache only
   /// query end-1's window.
   std::size_t ring_first(std::size_t w, std::size_t end) const {
-    const std::size_t lo = std::max({sinks_, oldest_, w > ring_ ? w - ring_ : 0});
+    const std::size_t lo = resident_from(w, oldest_);
     const bool rotate = policy_ == WindowPolicy::kStreaming && end > sinks_ + window_;
     return rotate ? std::max(lo, end - window_) : lo;
   }
@@ -348,6 +450,11 @@ class WindowStore {
   /// Positions an append may add before index S + R, the first to reuse a ring slot.
   std::size_t before_wrap() const {
     return size_ < sinks_ + ring_ ? sinks_ + ring_ - size_ : std::size_t{0};
+  }
+
+  /// The first ring index still resident in a store of n positions: what for_each_block reads.
+  std::size_t resident_from(std::size_t n, std::size_t oldest) const {
+    return std::max({sinks_, oldest, n > ring_ ? n - ring_ : 0});
   }
 
   std::size_t ring_row(std::size_t layer, std::size_t kv_head, std::size_t index) const {

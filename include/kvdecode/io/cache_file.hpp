@@ -1,13 +1,15 @@
-// Saving a sequence's KV cache to a file and restoring it: a versioned, checksummed format that
-// records which model (config + weights hash) and which store kind wrote it, so a long prompt is
-// prefilled once. Writes are atomic (temporary file, flush, fsync, rename); restores validate
-// everything before touching the target store. The format is written out in docs/ERRORS.md §4.
+// Saving KV caches to a file and restoring them, for every store kind: a versioned, checksummed
+// format that records which model (config + weights hash) and which store (tag + options) wrote
+// it, so a long prompt is prefilled once. Writes are atomic (temporary file, flush, fsync,
+// rename); restores validate everything before touching the target. docs/FORMATS.md §1 has the
+// format.
 #pragma once
 
 #include <algorithm>
 #include <array>
 #include <bit>
 #include <cerrno>
+#include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -21,6 +23,7 @@
 #include <string_view>
 #include <system_error>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if __has_include(<unistd.h>)
@@ -28,118 +31,50 @@
 #define KVDECODE_CACHE_FILE_HAS_FSYNC 1
 #endif
 
-#include "kvdecode/bf16.hpp"
+// Debian's libxxhash-dev, header-only: XXH_INLINE_ALL gives every function internal linkage, so
+// nothing is linked and a program that also links libxxhash sees no clash.
+#ifndef XXH_INLINE_ALL
+#define XXH_INLINE_ALL
+#endif
+#include <xxhash.h>
+
+#include "kvdecode/block_pool.hpp"
 #include "kvdecode/contiguous_store.hpp"
 #include "kvdecode/error.hpp"
+#include "kvdecode/int8_store.hpp"
 #include "kvdecode/kv_store.hpp"
 #include "kvdecode/model.hpp"
 #include "kvdecode/model_config.hpp"
+#include "kvdecode/paged_store.hpp"
+#include "kvdecode/q4_store.hpp"
 #include "kvdecode/weights.hpp"
+#include "kvdecode/window_store.hpp"
 
 namespace kvdecode {
 
 // ---------------------------------------------------------------------------------------------
-// XXH64: the 64-bit xxHash of Yann Collet (github.com/Cyan4973/xxHash, XXH64 spec), written out
-// here so the library has no dependency. It hashes the weights for the model fingerprint and the
-// payload for its checksum at several GB/s (FNV-1a's byte loop would take seconds on 7B weights).
+// The checksum: XXH3-64 (xxHash 0.8), which hashes the weights for the model fingerprint and the
+// payload for its checksum faster than XXH64 on this machine class (docs/RESULTS.md).
 
-/// A streaming XXH64: update() any number of times, then digest(). Same result as one call over
-/// the concatenated bytes.
-class Xxh64 {
+/// A streaming XXH3-64: update() any number of times, then digest(). Same result as
+/// XXH3_64bits_withSeed over the concatenated bytes.
+class Checksum {
  public:
-  explicit Xxh64(std::uint64_t seed = 0)
-      : acc_{seed + kP1 + kP2, seed + kP2, seed, seed - kP1}, seed_(seed) {}
-
+  explicit Checksum(std::uint64_t seed = 0) {
+    XXH3_INITSTATE(&state_);  // xxhash.h asks this of a state not from XXH3_createState()
+    XXH3_64bits_reset_withSeed(&state_, seed);
+  }
   void update(const void* data, std::size_t size) {
-    if (size == 0) return;  // data may be null (an empty span); memcpy(…, nullptr, 0) is UB
-    const auto* p = static_cast<const unsigned char*>(data);
-    total_ += size;
-    if (buffered_ + size < 32) {
-      std::memcpy(buffer_.data() + buffered_, p, size);
-      buffered_ += size;
-      return;
-    }
-    if (buffered_ > 0) {
-      const std::size_t fill = 32 - buffered_;
-      std::memcpy(buffer_.data() + buffered_, p, fill);
-      stripe(buffer_.data());
-      p += fill;
-      size -= fill;
-      buffered_ = 0;
-    }
-    for (; size >= 32; p += 32, size -= 32) stripe(p);
-    std::memcpy(buffer_.data(), p, size);
-    buffered_ = size;
+    if (size > 0) XXH3_64bits_update(&state_, data, size);  // data may be null when size is 0
   }
-
-  std::uint64_t digest() const {
-    std::uint64_t h;
-    if (total_ >= 32) {
-      h = std::rotl(acc_[0], 1) + std::rotl(acc_[1], 7) + std::rotl(acc_[2], 12) +
-          std::rotl(acc_[3], 18);
-      for (const std::uint64_t a : acc_) h = (h ^ round(0, a)) * kP1 + kP4;
-    } else {
-      h = seed_ + kP5;
-    }
-    h += total_;
-    const unsigned char* p = buffer_.data();
-    std::size_t n = buffered_;
-    for (; n >= 8; p += 8, n -= 8) h = std::rotl(h ^ round(0, read64(p)), 27) * kP1 + kP4;
-    if (n >= 4) {
-      h = std::rotl(h ^ (std::uint64_t{read32(p)} * kP1), 23) * kP2 + kP3;
-      p += 4;
-      n -= 4;
-    }
-    for (; n > 0; ++p, --n) h = std::rotl(h ^ (std::uint64_t{*p} * kP5), 11) * kP1;
-    h ^= h >> 33;
-    h *= kP2;
-    h ^= h >> 29;
-    h *= kP3;
-    h ^= h >> 32;
-    return h;
-  }
-
+  std::uint64_t digest() const { return XXH3_64bits_digest(&state_); }
   /// One-shot hash of a byte range.
-  static std::uint64_t hash(const void* data, std::size_t size, std::uint64_t seed = 0) {
-    Xxh64 h(seed);
-    h.update(data, size);
-    return h.digest();
+  static std::uint64_t hash(const void* data, std::size_t size) {
+    return size == 0 ? XXH3_64bits(nullptr, 0) : XXH3_64bits(data, size);
   }
 
  private:
-  static constexpr std::uint64_t kP1 = 0x9E3779B185EBCA87ull;
-  static constexpr std::uint64_t kP2 = 0xC2B2AE3D27D4EB4Full;
-  static constexpr std::uint64_t kP3 = 0x165667B19E3779F9ull;
-  static constexpr std::uint64_t kP4 = 0x85EBCA77C2B2AE63ull;
-  static constexpr std::uint64_t kP5 = 0x27D4EB2F165667C5ull;
-
-  // The spec reads lanes little-endian; memcpy compiles to one load.
-  static std::uint64_t read64(const unsigned char* p) {
-    std::uint64_t v;
-    std::memcpy(&v, p, 8);
-    if constexpr (std::endian::native == std::endian::big) {
-      std::uint64_t r = 0;
-      for (int i = 0; i < 8; ++i) r = (r << 8) | ((v >> (8 * i)) & 0xFF);
-      v = r;
-    }
-    return v;
-  }
-  static std::uint32_t read32(const unsigned char* p) {
-    return std::uint32_t{p[0]} | (std::uint32_t{p[1]} << 8) | (std::uint32_t{p[2]} << 16) |
-           (std::uint32_t{p[3]} << 24);
-  }
-  static std::uint64_t round(std::uint64_t acc, std::uint64_t lane) {
-    return std::rotl(acc + lane * kP2, 31) * kP1;
-  }
-  void stripe(const unsigned char* p) {
-    for (std::size_t i = 0; i < 4; ++i) acc_[i] = round(acc_[i], read64(p + 8 * i));
-  }
-
-  std::array<std::uint64_t, 4> acc_;
-  std::array<unsigned char, 32> buffer_{};  // [32] bytes of an incomplete stripe
-  std::size_t buffered_ = 0;
-  std::uint64_t total_ = 0;
-  std::uint64_t seed_;
+  XXH3_state_t state_;
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -150,21 +85,21 @@ class Xxh64 {
 struct ModelFingerprint {
   ModelConfig config;
   std::uint32_t weight_bytes = 0;  ///< bytes per stored weight element (4 f32, 8 f64, 2 bf16)
-  std::uint64_t weights_hash = 0;  ///< XXH64 over (element count, XXH64 of bytes) of each tensor
+  std::uint64_t weights_hash = 0;  ///< XXH3-64 over (element count, XXH3-64 of bytes) per tensor
 
   friend bool operator==(const ModelFingerprint&, const ModelFingerprint&) = default;
 };
 
-/// The fingerprint of a set of weights: one pass over every tensor byte (≈ 0.2 s per GB). The
-/// generator computes it once and passes it to save_cache / restore_cache.
+/// The fingerprint of a set of weights: one pass over every tensor byte. The generator computes
+/// it once and passes it to save_cache / restore_cache.
 template <class W>
 ModelFingerprint model_fingerprint(const Weights<W>& weights) {
   ModelFingerprint f;
   f.config = weights.config;
   f.weight_bytes = static_cast<std::uint32_t>(sizeof(W));
-  Xxh64 combined(sizeof(W));
+  Checksum combined(sizeof(W));
   weights.for_each_tensor([&](const char*, std::int64_t, const AlignedBuffer<W>& b) {
-    const std::array<std::uint64_t, 2> entry = {b.size(), Xxh64::hash(b.data(), b.bytes())};
+    const std::array<std::uint64_t, 2> entry = {b.size(), Checksum::hash(b.data(), b.bytes())};
     combined.update(entry.data(), sizeof(entry));
   });
   f.weights_hash = combined.digest();
@@ -177,39 +112,48 @@ ModelFingerprint model_fingerprint(const Model<T, W>& model) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Store kinds. A store type that can be saved specialises CacheFileStore with its tag; the tags
-// are fixed forever (a file's tag says which kind wrote it). Reserved: 2 paged, 3 quantized,
-// 4 windowed.
+// What a store provides to be saved (each store header's "Cache file" section).
 
+/// A store a cache file can hold: its name and fixed tag, the options a file must match (named),
+/// a payload writer, and a two-step restore (read_payload checks and reads into a FileState
+/// without touching the store; commit_payload installs it and cannot fail).
 template <class S>
-struct CacheFileStore;  // no definition: a store without a tag cannot be saved
-
-template <class T>
-struct CacheFileStore<ContiguousStore<T>> {
-  static constexpr std::uint32_t kKind = 1;
+concept SavableKvStore = KvStore<S> && requires(const S& cs, S& s, typename S::FileState& state) {
+  { S::kName } -> std::convertible_to<std::string_view>;
+  { S::kFileTag } -> std::convertible_to<std::uint32_t>;
+  S::kFileOptionNames.size();
+  {cs.file_options()};
+  { s.commit_payload(state) }
+  noexcept;
+  { std::as_const(state).saved_tokens() } -> std::same_as<std::span<const std::int32_t>>;
 };
 
 namespace detail::cache_file {
 
 inline constexpr std::array<char, 8> kMagic = {'K', 'V', 'D', 'C', 'A', 'C', 'H', 'E'};
-inline constexpr std::uint32_t kVersion = 1;
-inline constexpr std::size_t kHeaderBytes = 184;
+inline constexpr std::uint32_t kVersion = 2;
+inline constexpr std::size_t kHeaderBytes = 232;
+inline constexpr std::size_t kMaxOptions = 6;
 inline constexpr std::uint32_t kLittleEndian = 1;
 inline constexpr std::uint32_t kBigEndian = 2;
 
-inline const char* kind_name(std::uint32_t kind) {
-  switch (kind) {
-    case 1:
-      return "contiguous";
-    case 2:
-      return "paged";
-    case 3:
-      return "quantized";
-    case 4:
-      return "windowed";
-    default:
-      return "unknown";
-  }
+/// The store kinds this header knows, to name a file's tag in messages.
+struct StoreKind {
+  std::uint32_t tag;
+  std::string_view name;
+};
+inline constexpr std::array<StoreKind, 5> kStoreKinds = {{
+    {ContiguousStore<float>::kFileTag, ContiguousStore<float>::kName},
+    {PagedStore<float>::kFileTag, PagedStore<float>::kName},
+    {Int8Store<float>::kFileTag, Int8Store<float>::kName},
+    {WindowStore<float>::kFileTag, WindowStore<float>::kName},
+    {Q4Store<float>::kFileTag, Q4Store<float>::kName},
+}};
+
+inline std::string_view kind_name(std::uint32_t tag) {
+  for (const StoreKind& k : kStoreKinds)
+    if (k.tag == tag) return k.name;
+  return "unknown";
 }
 
 inline std::uint32_t native_endian_tag() {
@@ -239,12 +183,12 @@ class HeaderBytes {
   }
 };
 
-// Byte offsets of the v1 header fields (docs/ERRORS.md §4 has the table).
+// Byte offsets of the v2 header fields (docs/FORMATS.md §1 has the table).
 enum Offset : std::size_t {
   kOffMagic = 0,           // char[8] "KVDCACHE"
   kOffVersion = 8,         // u32
-  kOffHeaderBytes = 12,    // u32 = 184
-  kOffStoreKind = 16,      // u32 CacheFileStore<S>::kKind
+  kOffHeaderBytes = 12,    // u32 = 232
+  kOffStoreTag = 16,       // u32 S::kFileTag
   kOffScalarBytes = 20,    // u32 sizeof(store Scalar)
   kOffEndian = 24,         // u32 1 little, 2 big: the payload's byte order
   kOffWeightBytes = 28,    // u32 sizeof(weight element)
@@ -258,10 +202,11 @@ enum Offset : std::size_t {
   kOffKvHeads = 128,       // u64 store n_kv_heads
   kOffHeadSize = 136,      // u64 store head_size
   kOffCapacity = 144,      // u64 capacity of the store that was saved (informational)
-  kOffTokens = 152,        // u64 n_tokens
-  kOffPayloadBytes = 160,  // u64
-  kOffPayloadHash = 168,   // u64 XXH64 of the payload
-  kOffHeaderHash = 176,    // u64 XXH64 of header bytes [0, 176)
+  kOffTokens = 152,        // u64 positions saved (all sequences of a pool file)
+  kOffOptions = 160,       // u64 × 6 the store's file_options(), unused ones 0
+  kOffPayloadBytes = 208,  // u64
+  kOffPayloadHash = 216,   // u64 XXH3-64 of the payload
+  kOffHeaderHash = 224,    // u64 XXH3-64 of header bytes [0, 224)
 };
 
 inline constexpr std::array<const char*, 7> kConfigNames = {
@@ -281,20 +226,6 @@ inline std::string hex(std::uint64_t v) {
   return os.str();
 }
 
-/// Payload bytes for n tokens of the given shape, or 0 with overflow = true.
-inline std::uint64_t payload_bytes(std::uint64_t n, std::uint64_t layers, std::uint64_t kv_dim,
-                                   std::uint64_t scalar, bool& overflow) {
-  const auto mul = [&](std::uint64_t a, std::uint64_t b) {
-    if (b != 0 && a > std::numeric_limits<std::uint64_t>::max() / b) overflow = true;
-    return a * b;
-  };
-  const std::uint64_t rows = mul(mul(mul(2, layers), n), kv_dim);
-  const std::uint64_t kv = mul(rows, scalar);
-  const std::uint64_t tokens = mul(4, n);
-  if (kv > std::numeric_limits<std::uint64_t>::max() - tokens) overflow = true;
-  return overflow ? 0 : kv + tokens;
-}
-
 struct FileCloser {
   void operator()(std::FILE* f) const { std::fclose(f); }
 };
@@ -306,20 +237,22 @@ using File = std::unique_ptr<std::FILE, FileCloser>;
 /// What a cache file's header says, after the checks read_cache_file_header() makes.
 struct CacheFileInfo {
   std::uint32_t version = 0;
-  std::uint32_t store_kind = 0;    ///< CacheFileStore<S>::kKind of the store that was saved
+  std::uint32_t store_tag = 0;     ///< S::kFileTag of the store(s) saved
+  std::string_view store_name;     ///< its S::kName, or "unknown" for a tag this build lacks
   std::uint32_t scalar_bytes = 0;  ///< sizeof the store's Scalar
   ModelFingerprint model;
   std::uint64_t n_layers = 0, n_kv_heads = 0, head_size = 0;  ///< the store's shape
-  std::uint64_t capacity = 0;                                 ///< the saved store's capacity
-  std::uint64_t n_tokens = 0;
+  std::uint64_t capacity = 0;  ///< the saved store's capacity (a pool's max_seq_len)
+  std::uint64_t n_tokens = 0;  ///< positions saved, over all sequences of a pool file
+  std::array<std::uint64_t, detail::cache_file::kMaxOptions> options{};  ///< file_options()
   std::uint64_t payload_bytes = 0;
   std::uint64_t payload_hash = 0;
 };
 
 namespace detail::cache_file {
 
-/// Reads and checks the header: file size, magic, version, header checksum, internal consistency
-/// and the file size implied by the payload. Leaves `f` positioned at the payload.
+/// Reads and checks the header: file size, magic, version, header checksum, and that the file
+/// is exactly header + payload bytes long. Leaves `f` positioned at the payload.
 inline CacheFileInfo read_header(std::FILE* f, std::uint64_t file_size, const std::string& ctx) {
   KVDECODE_CHECK(file_size >= kMagic.size(), ctx, ": file is ", file_size,
                  " bytes, too short to be a kvdecode cache file (the header is ", kHeaderBytes,
@@ -339,12 +272,12 @@ inline CacheFileInfo read_header(std::FILE* f, std::uint64_t file_size, const st
                  ", this build reads version ", kVersion);
   KVDECODE_CHECK(file_size >= kHeaderBytes, ctx, ": file is ", file_size,
                  " bytes, truncated inside the ", kHeaderBytes, "-byte header");
-  const std::uint64_t header_hash = Xxh64::hash(h.bytes.data(), kOffHeaderHash);
+  const std::uint64_t header_hash = Checksum::hash(h.bytes.data(), kOffHeaderHash);
   KVDECODE_CHECK(header_hash == h.u64(kOffHeaderHash), ctx, ": header checksum ", hex(header_hash),
                  " differs from the stored ", hex(h.u64(kOffHeaderHash)),
                  ": the header is corrupted");
-  // From here the header is as written by save_cache (or forged with a valid checksum, which
-  // the checks below still keep from doing harm).
+  // From here the header is as written by a save (or forged with a valid checksum, which the
+  // checks below and the payload reader still keep from doing harm).
   KVDECODE_CHECK(h.u32(kOffHeaderBytes) == kHeaderBytes, ctx, ": header size field is ",
                  h.u32(kOffHeaderBytes), ", expected ", kHeaderBytes, " for version ", kVersion);
   const std::uint32_t endian = h.u32(kOffEndian);
@@ -353,7 +286,8 @@ inline CacheFileInfo read_header(std::FILE* f, std::uint64_t file_size, const st
                  : endian == kBigEndian  ? "big"
                                          : "unknown",
                  "-endian (tag ", endian, ") differs from this machine's");
-  info.store_kind = h.u32(kOffStoreKind);
+  info.store_tag = h.u32(kOffStoreTag);
+  info.store_name = kind_name(info.store_tag);
   info.scalar_bytes = h.u32(kOffScalarBytes);
   info.model.weight_bytes = h.u32(kOffWeightBytes);
   ModelConfig& c = info.model.config;
@@ -373,25 +307,15 @@ inline CacheFileInfo read_header(std::FILE* f, std::uint64_t file_size, const st
   info.head_size = h.u64(kOffHeadSize);
   info.capacity = h.u64(kOffCapacity);
   info.n_tokens = h.u64(kOffTokens);
+  for (std::size_t i = 0; i < kMaxOptions; ++i) info.options[i] = h.u64(kOffOptions + 8 * i);
   info.payload_bytes = h.u64(kOffPayloadBytes);
   info.payload_hash = h.u64(kOffPayloadHash);
 
-  KVDECODE_CHECK(info.n_tokens <= info.capacity, ctx, ": holds ", info.n_tokens,
-                 " tokens, more than the saved store's capacity ", info.capacity);
-  bool overflow = info.n_kv_heads != 0 &&
-                  info.head_size > std::numeric_limits<std::uint64_t>::max() / info.n_kv_heads;
-  const std::uint64_t kv_dim = overflow ? 0 : info.n_kv_heads * info.head_size;
-  const std::uint64_t expected =
-      payload_bytes(info.n_tokens, info.n_layers, kv_dim, info.scalar_bytes, overflow);
-  KVDECODE_CHECK(!overflow && expected == info.payload_bytes, ctx, ": payload size field says ",
-                 info.payload_bytes, " bytes, but ", info.n_tokens, " tokens × ", info.n_layers,
-                 " layers × ", info.n_kv_heads, " kv heads × head size ", info.head_size, " × ",
-                 info.scalar_bytes, "-byte elements need ",
-                 overflow ? std::string("more than 2^64") : std::to_string(expected));
+  // The payload's own layout is checked as it is read, against the bytes it really has.
   const std::uint64_t total = kHeaderBytes + info.payload_bytes;
   KVDECODE_CHECK(total >= info.payload_bytes && file_size >= total, ctx,
-                 ": file is truncated: the header describes ", total, " bytes (", info.n_tokens,
-                 " tokens), the file has ", file_size, " (", total - file_size, " missing)");
+                 ": file is truncated: the header describes ", total, " bytes, the file has ",
+                 file_size, " (", total - file_size, " missing)");
   KVDECODE_CHECK(file_size == total, ctx, ": file has ", file_size - total,
                  " trailing byte(s) after the payload: the header describes ", total,
                  " bytes, the file has ", file_size);
@@ -445,115 +369,238 @@ inline std::string fingerprint_difference(const ModelFingerprint& file,
   return {};
 }
 
-}  // namespace detail::cache_file
+/// What a file must say about the store to restore into the target: its kind, element size,
+/// shape and options.
+struct StoreDescription {
+  std::uint32_t tag = 0;
+  std::string_view name;
+  std::uint32_t scalar_bytes = 0;
+  std::uint64_t n_layers = 0, n_kv_heads = 0, head_size = 0, capacity = 0, n_tokens = 0;
+  std::array<std::uint64_t, kMaxOptions> options{};
+  std::array<std::string_view, kMaxOptions> option_names{};
+};
 
-/// Reads and checks a cache file's header without reading the payload (the payload checksum is
-/// verified by restore_cache). Throws Error naming the file and the field: missing file, not a
-/// cache file (magic), another format version, header checksum mismatch, inconsistent sizes,
-/// truncated or with trailing bytes.
-inline CacheFileInfo read_cache_file_header(const std::filesystem::path& file) {
-  namespace cf = detail::cache_file;
-  const std::string ctx = cf::context(file);
-  const std::uint64_t size = cf::checked_file_size(file, ctx);
-  cf::File f = cf::open_for_reading(file, ctx);
-  return cf::read_header(f.get(), size, ctx);
+template <SavableKvStore S>
+StoreDescription describe(const S& store) {
+  static_assert(S::kFileOptionNames.size() <= kMaxOptions, "the header has kMaxOptions slots");
+  StoreDescription d;
+  d.tag = S::kFileTag;
+  d.name = S::kName;
+  d.scalar_bytes = static_cast<std::uint32_t>(sizeof(typename S::Scalar));
+  d.n_layers = store.n_layers();
+  d.n_kv_heads = store.n_kv_heads();
+  d.head_size = store.head_size();
+  d.capacity = store.capacity();
+  d.n_tokens = store.size();
+  const auto options = store.file_options();
+  std::copy(options.begin(), options.end(), d.options.begin());
+  std::copy(S::kFileOptionNames.begin(), S::kFileOptionNames.end(), d.option_names.begin());
+  return d;
 }
 
-/// Writes the committed positions of `store` to `file`: the header (format version, store kind,
-/// element size, model fingerprint, store shape, token count, payload checksum) then the payload
-/// (token ids, then per layer the keys [n_tokens][kv_dim] and values [n_tokens][kv_dim]).
-/// The bytes go to "<file>.tmp.<pid>", which is flushed, fsync'ed and renamed over `file`, so a
-/// crash or an error at any point leaves `file` as it was (absent, or the previous complete
-/// file). Throws Error when an append is open in the store, when the store's shape does not match
-/// the fingerprint's config, or on any I/O failure; the store is never changed.
-template <KvStore S>
-void save_cache(const ModelFingerprint& model, const S& store, const std::filesystem::path& file) {
-  namespace cf = detail::cache_file;
-  using T = typename S::Scalar;
-  const std::string ctx = detail::concat("save_cache '", file.string(), "'");
-  const ModelConfig& cfg = model.config;
-  KVDECODE_CHECK(store.pending() == 0, ctx, ": the store has ", store.pending(),
-                 " pending positions of an open append");
-  KVDECODE_CHECK(store.n_layers() == static_cast<std::size_t>(cfg.n_layers) &&
-                     store.n_kv_heads() == static_cast<std::size_t>(cfg.n_kv_heads) &&
-                     store.head_size() == static_cast<std::size_t>(cfg.head_size()),
-                 ctx, ": the store's shape (", store.n_layers(), " layers, ", store.n_kv_heads(),
-                 " kv heads, head size ", store.head_size(), ") does not match the model (",
-                 cfg.n_layers, ", ", cfg.n_kv_heads, ", ", cfg.head_size(), ")");
-  const std::size_t n = store.size();
-  const std::size_t hs = store.head_size();
-  const std::size_t kv_dim = store.n_kv_heads() * hs;
-  bool overflow = false;
-  const std::uint64_t payload = cf::payload_bytes(n, store.n_layers(), kv_dim, sizeof(T), overflow);
+/// Sink of save_payload(): writes each section in this machine's byte order and checksums it.
+class PayloadWriter {
+ public:
+  explicit PayloadWriter(std::FILE* f) : f_(f) {}
+  template <class U>
+  void write(const U* data, std::size_t count) {
+    const std::size_t bytes = count * sizeof(U);
+    hash_.update(data, bytes);
+    ok_ = ok_ && (bytes == 0 || std::fwrite(data, 1, bytes, f_) == bytes);
+    bytes_ += bytes;
+  }
+  void u64(std::uint64_t v) { write(&v, 1); }
+  bool ok() const { return ok_; }
+  std::uint64_t bytes() const { return bytes_; }
+  std::uint64_t digest() const { return hash_.digest(); }
 
-  cf::HeaderBytes h;
-  std::memcpy(h.bytes.data(), cf::kMagic.data(), cf::kMagic.size());
-  h.put_u32(cf::kOffVersion, cf::kVersion);
-  h.put_u32(cf::kOffHeaderBytes, static_cast<std::uint32_t>(cf::kHeaderBytes));
-  h.put_u32(cf::kOffStoreKind, CacheFileStore<S>::kKind);
-  h.put_u32(cf::kOffScalarBytes, static_cast<std::uint32_t>(sizeof(T)));
-  h.put_u32(cf::kOffEndian, cf::native_endian_tag());
-  h.put_u32(cf::kOffWeightBytes, model.weight_bytes);
-  const auto fields = cf::config_fields(cfg);
+ private:
+  std::FILE* f_;
+  Checksum hash_;
+  bool ok_ = true;
+  std::uint64_t bytes_ = 0;
+};
+
+/// Source of read_payload(): reads sections, checksumming them again (the file could change
+/// after the first pass), and bounds every allocation: alloc() hands out at most the payload's
+/// size in total, so a forged count cannot make a restore allocate more than the file holds.
+class PayloadReader {
+ public:
+  PayloadReader(std::FILE* f, const CacheFileInfo& info, std::string ctx, std::int64_t vocab)
+      : f_(f),
+        remaining_(info.payload_bytes),
+        budget_(info.payload_bytes),
+        n_tokens_(info.n_tokens),
+        vocab_(vocab),
+        ctx_(std::move(ctx)) {}
+
+  const std::string& context() const { return ctx_; }
+  /// The header's position count.
+  std::uint64_t n_tokens() const { return n_tokens_; }
+
+  /// Sizes v to count elements, within what the payload could fill.
+  template <class U>
+  void alloc(std::vector<U>& v, std::uint64_t count, std::string_view what) {
+    KVDECODE_CHECK(count <= budget_ / sizeof(U), ctx_, ": the ", what, " need ", count, " × ",
+                   sizeof(U), " bytes, more than the ", budget_,
+                   " payload bytes left for them: the payload is shorter than its sizes say");
+    budget_ -= count * sizeof(U);
+    v.resize(static_cast<std::size_t>(count));
+  }
+  /// Checks that count items of at least `bytes_each` payload bytes each could still follow, to
+  /// bound bookkeeping sized by a count (a small multiple of the payload at most).
+  void check_count(std::uint64_t count, std::size_t bytes_each, std::string_view what) const {
+    KVDECODE_CHECK(count <= remaining_ / bytes_each, ctx_, ": ", count, " ", what,
+                   " need at least ", bytes_each, " bytes each, ", remaining_,
+                   " payload bytes remain");
+  }
+  /// Reads count elements into dst.
+  template <class U>
+  void read(U* dst, std::size_t count, std::string_view what) {
+    KVDECODE_CHECK(count <= remaining_ / sizeof(U), ctx_, ": the payload ends inside the ", what,
+                   ": they need ", count, " × ", sizeof(U), " bytes, ", remaining_, " remain");
+    const std::size_t bytes = count * sizeof(U);
+    const std::size_t got = bytes == 0 ? 0 : std::fread(dst, 1, bytes, f_);
+    KVDECODE_CHECK(got == bytes, ctx_, ": read of the ", what, " failed: got ", got, " of ", bytes,
+                   " bytes (did the file change while loading?)");
+    hash_.update(dst, bytes);
+    remaining_ -= bytes;
+  }
+  std::uint64_t u64(std::string_view what) {
+    std::uint64_t v = 0;
+    read(&v, 1, what);
+    return v;
+  }
+  /// count token ids, each checked to lie in the model's vocabulary.
+  std::vector<std::int32_t> tokens(std::uint64_t count, std::string_view what) {
+    std::vector<std::int32_t> t;
+    alloc(t, count, what);
+    read(t.data(), t.size(), what);
+    for (std::size_t i = 0; i < t.size(); ++i) {
+      KVDECODE_CHECK(t[i] >= 0 && t[i] < vocab_, ctx_, ": token id ", t[i], " at position ", i,
+                     " is outside the vocabulary [0, ", vocab_, ")");
+    }
+    return t;
+  }
+  /// Every byte read, and the same checksum as the first pass.
+  void finish(std::uint64_t expected_hash) const {
+    KVDECODE_CHECK(remaining_ == 0, ctx_, ": ", remaining_,
+                   " payload byte(s) follow the store's data");
+    KVDECODE_CHECK(hash_.digest() == expected_hash, ctx_,
+                   ": the payload changed while it was being read");
+  }
+
+ private:
+  std::FILE* f_;
+  std::uint64_t remaining_;  // payload bytes not yet read
+  std::uint64_t budget_;     // payload bytes not yet promised to an allocation
+  std::uint64_t n_tokens_;
+  std::int64_t vocab_;
+  std::string ctx_;
+  Checksum hash_;
+};
+
+/// Checks the header against the target (kind, element size, model, shape, options), then
+/// verifies the payload checksum in one streaming pass, and leaves `f` at the payload again.
+inline CacheFileInfo open_checked(const std::filesystem::path& file, const std::string& ctx,
+                                  const ModelFingerprint& model, const StoreDescription& target,
+                                  File& f) {
+  const std::uint64_t size = checked_file_size(file, ctx);
+  f = open_for_reading(file, ctx);
+  const CacheFileInfo info = read_header(f.get(), size, ctx);
+  KVDECODE_CHECK(info.store_tag == target.tag, ctx, ": saved from a ", info.store_name,
+                 " store (tag ", info.store_tag, "), cannot restore into a ", target.name,
+                 " store (tag ", target.tag, ")");
+  KVDECODE_CHECK(info.scalar_bytes == target.scalar_bytes, ctx, ": holds ", info.scalar_bytes,
+                 "-byte elements, the store holds ", target.scalar_bytes, "-byte elements");
+  const std::string difference = fingerprint_difference(info.model, model);
+  KVDECODE_CHECK(difference.empty(), ctx, ": was saved for another model: ", difference);
+  KVDECODE_CHECK(info.n_layers == target.n_layers && info.n_kv_heads == target.n_kv_heads &&
+                     info.head_size == target.head_size,
+                 ctx, ": holds a store of ", info.n_layers, " layers, ", info.n_kv_heads,
+                 " kv heads, head size ", info.head_size, "; the target store has ",
+                 target.n_layers, ", ", target.n_kv_heads, ", ", target.head_size);
+  for (std::size_t i = 0; i < kMaxOptions; ++i) {
+    if (target.option_names[i].empty()) {
+      KVDECODE_CHECK(info.options[i] == 0, ctx, ": option field ", i, " is ", info.options[i],
+                     ", a ", target.name, " store has none there (expected 0)");
+    } else {
+      KVDECODE_CHECK(info.options[i] == target.options[i], ctx, ": saved from a ", target.name,
+                     " store with ", target.option_names[i], " = ", info.options[i],
+                     ", the target store has ", target.option_names[i], " = ", target.options[i]);
+    }
+  }
+  // The first pass: a corrupted byte anywhere is reported as such before any field is parsed.
+  Checksum hash;
+  std::vector<unsigned char> chunk(
+      static_cast<std::size_t>(std::min<std::uint64_t>(info.payload_bytes, 1 << 20)));
+  for (std::uint64_t left = info.payload_bytes; left > 0;) {
+    const auto n = static_cast<std::size_t>(std::min<std::uint64_t>(left, chunk.size()));
+    const std::size_t got = std::fread(chunk.data(), 1, n, f.get());
+    KVDECODE_CHECK(got == n, ctx, ": read of the payload failed at byte ",
+                   info.payload_bytes - left + got, " of ", info.payload_bytes,
+                   " (did the file change while loading?)");
+    hash.update(chunk.data(), n);
+    left -= n;
+  }
+  KVDECODE_CHECK(hash.digest() == info.payload_hash, ctx, ": payload checksum ", hex(hash.digest()),
+                 " differs from the stored ", hex(info.payload_hash),
+                 ": the cached keys, values or token ids are corrupted");
+  KVDECODE_CHECK(std::fseek(f.get(), static_cast<long>(kHeaderBytes), SEEK_SET) == 0, ctx,
+                 ": cannot seek back to the payload");
+  return info;
+}
+
+/// Writes header + payload to "<file>.tmp.<pid>", flushes, fsyncs and renames it over `file`,
+/// so a crash or an error at any point leaves `file` as it was (absent, or the previous complete
+/// file); on error the temporary is removed.
+template <class WritePayload>
+void write_file(const ModelFingerprint& model, const StoreDescription& d,
+                const std::filesystem::path& file, const std::string& ctx,
+                WritePayload&& write_payload) {
+  const ModelConfig& cfg = model.config;
+  HeaderBytes h;
+  std::memcpy(h.bytes.data(), kMagic.data(), kMagic.size());
+  h.put_u32(kOffVersion, kVersion);
+  h.put_u32(kOffHeaderBytes, static_cast<std::uint32_t>(kHeaderBytes));
+  h.put_u32(kOffStoreTag, d.tag);
+  h.put_u32(kOffScalarBytes, d.scalar_bytes);
+  h.put_u32(kOffEndian, native_endian_tag());
+  h.put_u32(kOffWeightBytes, model.weight_bytes);
+  const auto fields = config_fields(cfg);
   for (std::size_t i = 0; i < fields.size(); ++i)
-    h.put_u64(cf::kOffConfig + 8 * i, static_cast<std::uint64_t>(fields[i]));
-  h.put_u64(cf::kOffRopeTheta, std::bit_cast<std::uint64_t>(cfg.rope_theta));
-  h.put_u64(cf::kOffNormEps, std::bit_cast<std::uint64_t>(cfg.norm_eps));
-  h.put_u32(cf::kOffRopeStyle, cfg.rope_style == RopeStyle::kAdjacentPairs ? 0 : 1);
-  h.put_u32(cf::kOffShared, cfg.shared_classifier ? 1 : 0);
-  h.put_u64(cf::kOffWeightsHash, model.weights_hash);
-  h.put_u64(cf::kOffLayers, store.n_layers());
-  h.put_u64(cf::kOffKvHeads, store.n_kv_heads());
-  h.put_u64(cf::kOffHeadSize, hs);
-  h.put_u64(cf::kOffCapacity, store.capacity());
-  h.put_u64(cf::kOffTokens, n);
-  h.put_u64(cf::kOffPayloadBytes, payload);
+    h.put_u64(kOffConfig + 8 * i, static_cast<std::uint64_t>(fields[i]));
+  h.put_u64(kOffRopeTheta, std::bit_cast<std::uint64_t>(cfg.rope_theta));
+  h.put_u64(kOffNormEps, std::bit_cast<std::uint64_t>(cfg.norm_eps));
+  h.put_u32(kOffRopeStyle, cfg.rope_style == RopeStyle::kAdjacentPairs ? 0 : 1);
+  h.put_u32(kOffShared, cfg.shared_classifier ? 1 : 0);
+  h.put_u64(kOffWeightsHash, model.weights_hash);
+  h.put_u64(kOffLayers, d.n_layers);
+  h.put_u64(kOffKvHeads, d.n_kv_heads);
+  h.put_u64(kOffHeadSize, d.head_size);
+  h.put_u64(kOffCapacity, d.capacity);
+  h.put_u64(kOffTokens, d.n_tokens);
+  for (std::size_t i = 0; i < kMaxOptions; ++i) h.put_u64(kOffOptions + 8 * i, d.options[i]);
 
   // Unique per process, so two processes saving to one name never share a temporary.
   std::filesystem::path tmp = file;
 #ifdef KVDECODE_CACHE_FILE_HAS_FSYNC
-  tmp += detail::concat(".tmp.", static_cast<long long>(::getpid()));
+  tmp += concat(".tmp.", static_cast<long long>(::getpid()));
 #else
   tmp += ".tmp";
 #endif
   try {
     errno = 0;
-    cf::File f(std::fopen(tmp.string().c_str(), "wb"));
+    File f(std::fopen(tmp.string().c_str(), "wb"));
     KVDECODE_CHECK(f != nullptr, ctx, ": cannot create '", tmp.string(),
                    "': ", std::generic_category().message(errno));
     bool ok = std::fwrite(h.bytes.data(), 1, h.bytes.size(), f.get()) == h.bytes.size();
-    Xxh64 payload_hash;
-    const auto put = [&](const void* data, std::size_t bytes) {
-      payload_hash.update(data, bytes);
-      ok = ok && std::fwrite(data, 1, bytes, f.get()) == bytes;
-    };
-    // Token ids as int32, then the scalars, all in this machine's byte order (the endian tag).
-    const std::span<const std::int32_t> tokens = store.tokens();
-    put(tokens.data(), tokens.size_bytes());
-    // Per layer: keys then values as [n][kv_dim] rows, gathered through for_each_block so any
-    // full-history store can reuse this writer.
-    std::vector<T> keys(n * kv_dim), values(n * kv_dim), scratch(store.block_scratch_size());
-    for (std::size_t l = 0; l < store.n_layers() && n > 0; ++l) {
-      for (std::size_t g = 0; g < store.n_kv_heads(); ++g) {
-        std::size_t rows = 0;
-        store.for_each_block(l, g, n, std::span<T>(scratch), [&](const KvBlock<T>& b) {
-          for (std::size_t r = 0; r < b.n; ++r) {
-            const std::size_t at = (b.first + r) * kv_dim + g * hs;
-            std::copy_n(b.keys + r * b.stride, hs, keys.data() + at);
-            std::copy_n(b.values + r * b.stride, hs, values.data() + at);
-          }
-          rows += b.n;
-        });
-        KVDECODE_CHECK(rows == n, ctx, ": the store returned ", rows, " of ", n,
-                       " positions for layer ", l, " kv head ", g,
-                       "; only stores that keep every position can be saved");
-      }
-      put(keys.data(), keys.size() * sizeof(T));
-      put(values.data(), values.size() * sizeof(T));
-    }
-    h.put_u64(cf::kOffPayloadHash, payload_hash.digest());
-    h.put_u64(cf::kOffHeaderHash, Xxh64::hash(h.bytes.data(), cf::kOffHeaderHash));
-    ok = ok && std::fseek(f.get(), 0, SEEK_SET) == 0 &&
+    PayloadWriter out(f.get());
+    write_payload(out);
+    h.put_u64(kOffPayloadBytes, out.bytes());
+    h.put_u64(kOffPayloadHash, out.digest());
+    h.put_u64(kOffHeaderHash, Checksum::hash(h.bytes.data(), kOffHeaderHash));
+    ok = ok && out.ok() && std::fseek(f.get(), 0, SEEK_SET) == 0 &&
          std::fwrite(h.bytes.data(), 1, h.bytes.size(), f.get()) == h.bytes.size();
     ok = ok && std::fflush(f.get()) == 0;
 #ifdef KVDECODE_CACHE_FILE_HAS_FSYNC
@@ -575,118 +622,212 @@ void save_cache(const ModelFingerprint& model, const S& store, const std::filesy
   }
 }
 
+inline void check_shape(const ModelConfig& cfg, std::size_t n_layers, std::size_t n_kv_heads,
+                        std::size_t head_size, const std::string& ctx) {
+  KVDECODE_CHECK(n_layers == static_cast<std::size_t>(cfg.n_layers) &&
+                     n_kv_heads == static_cast<std::size_t>(cfg.n_kv_heads) &&
+                     head_size == static_cast<std::size_t>(cfg.head_size()),
+                 ctx, ": the store's shape (", n_layers, " layers, ", n_kv_heads,
+                 " kv heads, head size ", head_size, ") does not match the model (", cfg.n_layers,
+                 ", ", cfg.n_kv_heads, ", ", cfg.head_size(), ")");
+}
+
+/// Every check of restore_cache, then the payload read into the store's FileState; the store
+/// is not touched.
+template <SavableKvStore S>
+typename S::FileState read_cache(const ModelFingerprint& model, const S& store,
+                                 const std::filesystem::path& file) {
+  const std::string ctx = context(file);
+  KVDECODE_CHECK(store.pending() == 0, ctx, ": cannot restore into a store with ", store.pending(),
+                 " pending positions of an open append");
+  File f;
+  const CacheFileInfo info = open_checked(file, ctx, model, describe(store), f);
+  KVDECODE_CHECK(info.n_tokens <= store.capacity(), ctx, ": holds ", info.n_tokens,
+                 " positions, more than the target store's capacity ", store.capacity());
+  PayloadReader in(f.get(), info, ctx, model.config.vocab_size);
+  typename S::FileState state = store.read_payload(in);
+  in.finish(info.payload_hash);
+  return state;
+}
+
+}  // namespace detail::cache_file
+
+/// Reads and checks a cache file's header without reading the payload (the payload checksum is
+/// verified by a restore). Throws Error naming the file and the field: missing file, not a
+/// cache file (magic), another format version, header checksum mismatch, truncated or with
+/// trailing bytes.
+inline CacheFileInfo read_cache_file_header(const std::filesystem::path& file) {
+  namespace cf = detail::cache_file;
+  const std::string ctx = cf::context(file);
+  const std::uint64_t size = cf::checked_file_size(file, ctx);
+  cf::File f = cf::open_for_reading(file, ctx);
+  return cf::read_header(f.get(), size, ctx);
+}
+
+/// Writes the committed positions of `store` to `file`: the header (format version, store tag
+/// and options, element size, model fingerprint, store shape, token count, checksums) then the
+/// store's payload (its save_payload(); docs/FORMATS.md §1). The write is atomic: a crash or an
+/// error at any point leaves `file` absent or as it was. Throws Error when an append is open in
+/// the store, when the store's shape does not match the fingerprint's config, or on any I/O
+/// failure; the store is never changed. A PagedStore is saved with the blocks it holds.
+template <SavableKvStore S>
+void save_cache(const ModelFingerprint& model, const S& store, const std::filesystem::path& file) {
+  namespace cf = detail::cache_file;
+  const std::string ctx = detail::concat("save_cache '", file.string(), "'");
+  KVDECODE_CHECK(store.pending() == 0, ctx, ": the store has ", store.pending(),
+                 " pending positions of an open append");
+  cf::check_shape(model.config, store.n_layers(), store.n_kv_heads(), store.head_size(), ctx);
+  cf::write_file(model, cf::describe(store), file, ctx,
+                 [&](cf::PayloadWriter& out) { store.save_payload(out); });
+}
+
 /// save_cache with the fingerprint computed from the model (one pass over its weights).
-template <class T, class W, KvStore S>
+template <class T, class W, SavableKvStore S>
 void save_cache(const Model<T, W>& model, const S& store, const std::filesystem::path& file) {
   save_cache(model_fingerprint(model), store, file);
 }
 
-/// Replaces the contents of `store` with the sequence saved in `file`. Everything is checked
-/// and read into temporaries first: the header (see read_cache_file_header), the store kind and
-/// element size, the model fingerprint (config field by field, then the weights hash), the
-/// store's shape, that the tokens fit the store's capacity, the payload checksum and every token
-/// id; only then is the store reset and filled, with operations that cannot fail. So on any
-/// Error the store is exactly as it was. Peak extra memory is the payload size.
-template <KvStore S>
+/// Replaces the contents of `store` with what `file` holds, bit for bit as it was saved (codes
+/// and scales of a quantized store, the ring of a window store, a sequence's blocks in the
+/// PagedStore's pool). Everything is checked and read into temporaries first: the header (see
+/// read_cache_file_header), the store tag, element size and options (each named when it
+/// differs), the model fingerprint (config field by field, then the weights hash), the store's
+/// shape, that the tokens fit the store's capacity, the payload checksum (one pass over the
+/// payload before any field of it is parsed), every size and token id in the payload; only then
+/// is the store replaced, with operations that cannot fail. So on any Error the store is
+/// exactly as it was. Peak extra memory is the payload size.
+template <SavableKvStore S>
 void restore_cache(const ModelFingerprint& model, S& store, const std::filesystem::path& file) {
-  namespace cf = detail::cache_file;
-  using T = typename S::Scalar;
-  const std::string ctx = cf::context(file);
-  KVDECODE_CHECK(store.pending() == 0, ctx, ": cannot restore into a store with ", store.pending(),
-                 " pending positions of an open append");
-  const std::uint64_t size = cf::checked_file_size(file, ctx);
-  cf::File f = cf::open_for_reading(file, ctx);
-  const CacheFileInfo info = cf::read_header(f.get(), size, ctx);
-
-  constexpr std::uint32_t kKind = CacheFileStore<S>::kKind;
-  KVDECODE_CHECK(info.store_kind == kKind, ctx, ": saved from a ", cf::kind_name(info.store_kind),
-                 " store (kind ", info.store_kind, "), cannot restore into a ",
-                 cf::kind_name(kKind), " store (kind ", kKind, ")");
-  KVDECODE_CHECK(info.scalar_bytes == sizeof(T), ctx, ": holds ", info.scalar_bytes,
-                 "-byte elements, the store holds ", sizeof(T), "-byte elements");
-  const std::string difference = cf::fingerprint_difference(info.model, model);
-  KVDECODE_CHECK(difference.empty(), ctx, ": was saved for another model: ", difference);
-  KVDECODE_CHECK(info.n_layers == store.n_layers() && info.n_kv_heads == store.n_kv_heads() &&
-                     info.head_size == store.head_size(),
-                 ctx, ": holds a store of ", info.n_layers, " layers, ", info.n_kv_heads,
-                 " kv heads, head size ", info.head_size, "; the target store has ",
-                 store.n_layers(), ", ", store.n_kv_heads(), ", ", store.head_size());
-  KVDECODE_CHECK(info.n_tokens <= store.capacity(), ctx, ": holds ", info.n_tokens,
-                 " positions, more than the target store's capacity ", store.capacity());
-
-  // Everything below is bounded by the file's real size (checked against the header above).
-  const auto n = static_cast<std::size_t>(info.n_tokens);
-  const std::size_t kv_dim = store.n_kv_heads() * store.head_size();
-  Xxh64 payload_hash;
-  const auto get = [&](void* data, std::size_t bytes, const char* what, std::size_t layer) {
-    const std::size_t got = std::fread(data, 1, bytes, f.get());
-    KVDECODE_CHECK(got == bytes, ctx, ": read of the ", what, " of layer ", layer, " failed: got ",
-                   got, " of ", bytes, " bytes (did the file change while loading?)");
-    payload_hash.update(data, bytes);
-  };
-  std::vector<std::int32_t> tokens(n);
-  get(tokens.data(), n * sizeof(std::int32_t), "token ids", 0);
-  std::vector<T> keys(store.n_layers() * n * kv_dim);    // [n_layers][n][kv_dim]
-  std::vector<T> values(store.n_layers() * n * kv_dim);  // [n_layers][n][kv_dim]
-  for (std::size_t l = 0; l < store.n_layers(); ++l) {
-    get(keys.data() + l * n * kv_dim, n * kv_dim * sizeof(T), "keys", l);
-    get(values.data() + l * n * kv_dim, n * kv_dim * sizeof(T), "values", l);
-  }
-  const std::uint64_t hash = payload_hash.digest();
-  KVDECODE_CHECK(hash == info.payload_hash, ctx, ": payload checksum ", cf::hex(hash),
-                 " differs from the stored ", cf::hex(info.payload_hash),
-                 ": the cached keys, values or token ids are corrupted");
-  const std::int64_t vocab = model.config.vocab_size;
-  for (std::size_t i = 0; i < n; ++i) {
-    KVDECODE_CHECK(tokens[i] >= 0 && tokens[i] < vocab, ctx, ": token id ", tokens[i],
-                   " at position ", i, " is outside the vocabulary [0, ", vocab, ")");
-  }
-
-  // Commit: nothing here can throw (no pending append, n <= capacity, rows of the right size).
-  store.reset();
-  if (n == 0) return;
-  store.begin_append(tokens);
-  for (std::size_t l = 0; l < store.n_layers(); ++l)
-    for (std::size_t i = 0; i < n; ++i)
-      store.write(l, i, keys.data() + (l * n + i) * kv_dim, values.data() + (l * n + i) * kv_dim);
-  store.commit_append();
+  typename S::FileState state = detail::cache_file::read_cache(model, store, file);
+  store.commit_payload(state);
 }
 
 /// restore_cache with the fingerprint computed from the model (one pass over its weights).
-template <class T, class W, KvStore S>
+template <class T, class W, SavableKvStore S>
 void restore_cache(const Model<T, W>& model, S& store, const std::filesystem::path& file) {
   restore_cache(model_fingerprint(model), store, file);
 }
 
-/// For a generator's --load-cache: restores `file` into `store` (as restore_cache) when its
-/// tokens are a prefix of `prompt`, and returns how many prompt tokens it covers. At most
-/// prompt.size() - 1 positions are kept (the store is truncated if needed), so the caller still
-/// prefills at least one token and gets its logits. S must be constructible from (ModelConfig,
-/// capacity), as ContiguousStore is: the file is restored into a fresh store, which is moved
-/// into `store` only when it fits the prompt (so this briefly holds two caches). Throws Error,
-/// leaving the store as it was, when restore_cache would, or when the saved tokens are not a
-/// prefix of the prompt (naming the first position that differs).
-template <KvStore S>
+namespace detail::cache_file {
+
+/// restore_prompt_prefix (require_prefix) and restore_longest_prefix.
+template <SavableKvStore S>
+std::size_t restore_prefix(const ModelFingerprint& model, S& store,
+                           std::span<const std::int32_t> prompt, const std::filesystem::path& file,
+                           bool require_prefix) {
+  KVDECODE_CHECK(!prompt.empty(), "restoring a cache for a prompt: the prompt has no tokens");
+  typename S::FileState state = read_cache(model, store, file);
+  const std::span<const std::int32_t> saved = state.saved_tokens();
+  std::size_t common = 0;
+  while (common < std::min(saved.size(), prompt.size()) && saved[common] == prompt[common])
+    ++common;
+  if (require_prefix) {
+    KVDECODE_CHECK(common == std::min(saved.size(), prompt.size()), context(file), ": holds token ",
+                   saved[common], " at position ", common, " where the prompt has ", prompt[common],
+                   "; it was saved for another prompt");
+    KVDECODE_CHECK(saved.size() <= prompt.size(), context(file), ": holds ", saved.size(),
+                   " tokens, more than the prompt's ", prompt.size());
+  }
+  const std::size_t keep = std::min(common, prompt.size() - 1);
+  if constexpr (requires { state.can_truncate(keep); }) {
+    KVDECODE_CHECK(keep == saved.size() || state.can_truncate(keep), context(file), ": holds ",
+                   saved.size(), " positions of which ", keep, " are kept for the prompt; a ",
+                   S::kName, " store cannot roll back from ", saved.size(), " to ", keep,
+                   " positions");
+  }
+  store.commit_payload(state);
+  if (keep < saved.size()) store.truncate(keep);  // checked above: cannot fail
+  return keep;
+}
+
+}  // namespace detail::cache_file
+
+/// For a generator's --load-cache: restores `file` into `store` when its tokens are a prefix of
+/// `prompt`, and returns how many prompt tokens it covers. At most prompt.size() - 1 positions
+/// are kept (the store is truncated if needed), so the caller still prefills at least one token
+/// and gets its logits. Works for any store. Throws Error, leaving the store as it was, when
+/// restore_cache would, when the saved tokens are not a prefix of the prompt (naming the first
+/// position that differs), or when the store cannot roll back to prompt.size() - 1.
+template <SavableKvStore S>
 std::size_t restore_prompt_prefix(const ModelFingerprint& model, S& store,
                                   std::span<const std::int32_t> prompt,
                                   const std::filesystem::path& file) {
-  KVDECODE_CHECK(!prompt.empty(), "restore_prompt_prefix: the prompt has no tokens");
-  // Restore into a scratch copy first, so a prompt mismatch also leaves `store` untouched.
-  S restored(model.config, store.capacity());
-  restore_cache(model, restored, file);
-  const std::span<const std::int32_t> saved = restored.tokens();
-  const std::size_t common = std::min(saved.size(), prompt.size());
-  for (std::size_t i = 0; i < common; ++i) {
-    KVDECODE_CHECK(saved[i] == prompt[i], detail::cache_file::context(file), ": holds token ",
-                   saved[i], " at position ", i, " where the prompt has ", prompt[i],
-                   "; it was saved for another prompt");
+  return detail::cache_file::restore_prefix(model, store, prompt, file, true);
+}
+
+/// Reuses as much of a saved cache as a prompt allows: restores `file` into `store`, then keeps
+/// the longest common prefix of the saved tokens and `prompt`, at most prompt.size() - 1
+/// positions (so the caller prefills at least one token); returns how many it kept, possibly 0.
+/// Throws Error, leaving the store as it was, when restore_cache would, or when the store cannot
+/// roll back that far (a window store keeps only max_chunk positions of rollback).
+template <SavableKvStore S>
+std::size_t restore_longest_prefix(const ModelFingerprint& model, S& store,
+                                   std::span<const std::int32_t> prompt,
+                                   const std::filesystem::path& file) {
+  return detail::cache_file::restore_prefix(model, store, prompt, file, false);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Pools: several sequences and the blocks they share, in one file.
+
+/// Saves `sequences` (all on `pool`, none mid-append) with the blocks they hold: each block
+/// once, however many of them hold it (forks, prefix-cache hits), plus each sequence's block
+/// table and tokens. Atomic as save_cache; throws Error changing nothing.
+template <class T>
+void save_pool(const ModelFingerprint& model, const BlockPool<T>& pool,
+               std::type_identity_t<std::span<const PagedStore<T>* const>> sequences,
+               const std::filesystem::path& file) {
+  namespace cf = detail::cache_file;
+  const std::string ctx = detail::concat("save_pool '", file.string(), "'");
+  cf::check_shape(model.config, pool.n_layers(), pool.n_kv_heads(), pool.head_size(), ctx);
+  cf::StoreDescription d;
+  d.tag = PagedStore<T>::kFileTag;
+  d.name = PagedStore<T>::kName;
+  d.scalar_bytes = sizeof(T);
+  d.n_layers = pool.n_layers();
+  d.n_kv_heads = pool.n_kv_heads();
+  d.head_size = pool.head_size();
+  d.capacity = pool.max_seq_len();
+  for (std::size_t q = 0; q < sequences.size(); ++q) {
+    const PagedStore<T>& s = *sequences[q];
+    KVDECODE_CHECK(s.pool() == &pool, ctx, ": sequence ", q, " is not on the pool");
+    KVDECODE_CHECK(s.pending() == 0, ctx, ": sequence ", s.id(), " has ", s.pending(),
+                   " pending positions of an open append");
+    d.n_tokens += s.size();
   }
-  KVDECODE_CHECK(saved.size() <= prompt.size(), detail::cache_file::context(file), ": holds ",
-                 saved.size(), " tokens, more than the prompt's ", prompt.size());
-  const std::size_t keep = std::min(saved.size(), prompt.size() - 1);
-  restored.truncate(keep);
-  store = std::move(restored);
-  return keep;
+  d.options[0] = pool.block_size();
+  cf::write_file(model, d, file, ctx, [&](cf::PayloadWriter& out) {
+    PagedStore<T>::save_pool_payload(out, pool, sequences);
+  });
+}
+
+/// Replaces the contents of `sequences` (on `pool`, as many as the file holds) with the saved
+/// ones: the blocks are taken from the pool once each and shared as they were saved (equal
+/// reference counts), and full blocks re-enter the prefix cache, so later requests with the same
+/// prefix reuse them. Checks everything first, including that the pool has the blocks once the
+/// targets' own are released; on any Error the pool and every sequence are as they were.
+template <class T>
+void restore_pool(const ModelFingerprint& model, BlockPool<T>& pool,
+                  std::type_identity_t<std::span<PagedStore<T>* const>> sequences,
+                  const std::filesystem::path& file) {
+  namespace cf = detail::cache_file;
+  const std::string ctx = cf::context(file);
+  cf::StoreDescription d;
+  d.tag = PagedStore<T>::kFileTag;
+  d.name = PagedStore<T>::kName;
+  d.scalar_bytes = sizeof(T);
+  d.n_layers = pool.n_layers();
+  d.n_kv_heads = pool.n_kv_heads();
+  d.head_size = pool.head_size();
+  d.options[0] = pool.block_size();
+  d.option_names[0] = PagedStore<T>::kFileOptionNames[0];
+  cf::File f;
+  const CacheFileInfo info = cf::open_checked(file, ctx, model, d, f);
+  cf::PayloadReader in(f.get(), info, ctx, model.config.vocab_size);
+  std::vector<const PagedStore<T>*> targets(sequences.begin(), sequences.end());
+  auto state = PagedStore<T>::read_pool_payload(in, pool, targets);
+  in.finish(info.payload_hash);
+  PagedStore<T>::commit_pool_payload(pool, sequences, state);
 }
 
 }  // namespace kvdecode

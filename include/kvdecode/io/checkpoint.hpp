@@ -1,6 +1,6 @@
 // Reading and writing llama2.c legacy "v0" checkpoints (the only format run.c reads): a 28-byte
 // header of 7 int32, then f32 tensors in a fixed order. Every header value and the file size are
-// checked before anything is allocated; see docs/llama2c-format.md §1.
+// checked before anything is allocated; the format is in docs/FORMATS.md §2.
 #pragma once
 
 #include <algorithm>
