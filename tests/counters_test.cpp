@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <span>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -271,6 +272,8 @@ class CountingStore {
  public:
   using Scalar = typename S::Scalar;
   using Options = typename S::Options;
+  static constexpr std::string_view kName = S::kName;
+  static constexpr std::uint32_t kFileTag = S::kFileTag;
   static std::uint64_t memory_bytes_for(const ModelConfig& c, const Options& o) {
     return S::memory_bytes_for(c, o);
   }

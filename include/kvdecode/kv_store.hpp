@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <string_view>
 
 #include "kvdecode/model_config.hpp"
 
@@ -47,6 +48,8 @@ struct KvBlockSinkArchetype {
 ///
 /// A store describes itself once, and every consumer (MemoryPlanner, WorkCounters, the cache
 /// file, the generator, the benchmarks) reads that description instead of recognising the type:
+/// - `kName`, `kFileTag`: its name in reports and messages, and the fixed number a cache file
+///   records for it.
 /// - `Options`: what it is built from besides the config (capacity 0 = cfg.seq_len);
 ///   `S::memory_bytes_for(cfg, options)` is exactly the memory_bytes() of a store built so,
 ///   every buffer it owns (its token-id list aside), saturating at 2^64 - 1; `options()` gives
@@ -66,6 +69,8 @@ concept KvStore = requires(S& s, const S& cs, std::size_t i, const typename S::S
                            const ModelConfig& cfg, const typename S::Options& options) {
   typename S::Scalar;
   typename S::Options;
+  { S::kName } -> std::convertible_to<std::string_view>;
+  { S::kFileTag } -> std::convertible_to<std::uint32_t>;
   { S::memory_bytes_for(cfg, options) } -> std::same_as<std::uint64_t>;
   { cs.options() } -> std::same_as<typename S::Options>;
   { cs.max_append() } -> std::same_as<std::size_t>;

@@ -114,13 +114,12 @@ ModelFingerprint model_fingerprint(const Model<T, W>& model) {
 // ---------------------------------------------------------------------------------------------
 // What a store provides to be saved (each store header's "Cache file" section).
 
-/// A store a cache file can hold: its name and fixed tag, the options a file must match (named),
-/// a payload writer, and a two-step restore (read_payload checks and reads into a FileState
-/// without touching the store; commit_payload installs it and cannot fail).
+/// A store a cache file can hold (its name and tag are part of every store's description): the
+/// options a file must match (named), a payload writer, and a two-step restore (read_payload
+/// checks and reads into a FileState without touching the store; commit_payload installs it and
+/// cannot fail).
 template <class S>
 concept SavableKvStore = KvStore<S> && requires(const S& cs, S& s, typename S::FileState& state) {
-  { S::kName } -> std::convertible_to<std::string_view>;
-  { S::kFileTag } -> std::convertible_to<std::uint32_t>;
   S::kFileOptionNames.size();
   {cs.file_options()};
   { s.commit_payload(state) }
