@@ -429,6 +429,7 @@ int generate_with(const Options& o, const Source& src, const kvdecode::Model<flo
                ll(cfg.vocab_size), ll(cfg.seq_len));
   std::fprintf(out, "weights            %s, %zu bytes\n", std::is_same_v<W, bf16> ? "bf16" : "f32",
                model.weights().bytes());
+  std::fprintf(out, "kernels            %s\n", active_kernel_set_name());
   std::fprintf(out, "KV store           %s, %zu bytes reserved for %s\n", describe(cache).c_str(),
                cache.memory_bytes(), reserved_for(cache).c_str());
   if constexpr (std::is_same_v<S, ContiguousStore<float>>) {
