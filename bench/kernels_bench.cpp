@@ -1,7 +1,9 @@
-// The projection kernels alone, each beside its baseline: the hand-written GEMV against Eigen's
-// (f32) and the portable loop (bf16), on the 110M classifier's shape (32000 × 768, 98 MB of f32,
-// 3× the L3, so every call streams from DRAM), at 1 and 2 threads; and the threaded Eigen GEMM
-// of prefill on a 110M FFN shape. Every kernel is checked against the naive loop before timing.
+// The projection kernels alone, each beside its baseline: the GEMV of every kernel set this CPU
+// runs against Eigen's (f32) and the portable loop (bf16), on the 110M classifier's shape
+// (32000 × 768, 98 MB of f32, 3× the L3, so every call streams from DRAM), at 1 and 2 threads;
+// and the threaded GEMM of prefill on a 110M FFN shape. Before any timing, every set's GEMV and
+// GEMM are checked against the naive loop on odd sizes (every masked tail), and each timed
+// kernel on its own shape.
 #include <benchmark/benchmark.h>
 
 #include <cmath>
@@ -10,8 +12,10 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
-#include "kvdecode/detail/kernels.hpp"
+#include "kvdecode/detail/gemv.hpp"
+#include "kvdecode/detail/linear.hpp"
 #include "kvdecode/kvdecode.hpp"
 
 namespace {
@@ -47,20 +51,58 @@ const AlignedBuffer<float>& input() {
   return x;
 }
 
-/// Throws unless y matches the double-accumulated naive GEMV within n·2^-24·Σ|w x| per row
-/// (f32 summation), plus, for bf16, the rounding of x to bf16 (2^-8 relative per term).
+/// Throws unless y [n][rows] matches the double-accumulated naive product within
+/// n·2^-24·Σ|w x| per output (f32 summation); for bf16 weights the naive loop takes x rounded
+/// to bf16, as every bf16 kernel does.
 template <class W>
-void check_against_naive(const float* y, const W* w, const float* x, std::size_t rows,
-                         std::size_t cols) {
+void check_against_naive(const float* y, const W* w, const float* x, std::size_t n,
+                         std::size_t rows, std::size_t cols, const char* what) {
+  std::vector<float> xr(x, x + n * cols);
+  if constexpr (std::is_same_v<W, bf16>) detail::round_to_bf16(x, xr.data(), n * cols);
   AlignedBuffer<float> ref(rows);
-  detail::gemv_naive(ref.data(), w, x, rows, cols);
-  const double rel = static_cast<double>(cols) * 0x1p-24 + (std::is_same_v<W, bf16> ? 0x1p-8 : 0);
-  for (std::size_t r = 0; r < rows; ++r) {
-    double mag = 0;
-    for (std::size_t c = 0; c < cols; ++c)
-      mag += std::abs(static_cast<double>(static_cast<float>(w[r * cols + c])) * x[c]);
-    if (std::abs(static_cast<double>(y[r]) - ref[r]) > rel * mag + 1e-30)
-      throw std::runtime_error("kernel differs from the naive GEMV at row " + std::to_string(r));
+  for (std::size_t t = 0; t < n; ++t) {
+    detail::gemv_naive(ref.data(), w, xr.data() + t * cols, rows, cols);
+    for (std::size_t r = 0; r < rows; ++r) {
+      double mag = 0;
+      for (std::size_t c = 0; c < cols; ++c)
+        mag +=
+            std::abs(static_cast<double>(static_cast<float>(w[r * cols + c])) * xr[t * cols + c]);
+      if (std::abs(static_cast<double>(y[t * rows + r]) - ref[r]) >
+          static_cast<double>(cols) * 0x1p-24 * mag + 1e-30)
+        throw std::runtime_error(std::string(what) + " differs from the naive product at " +
+                                 std::to_string(n) + "×" + std::to_string(rows) + "×" +
+                                 std::to_string(cols) + ", token " + std::to_string(t) + " row " +
+                                 std::to_string(r));
+    }
+  }
+}
+
+/// y [n][out] = x [n][in] · wᵀ through linear_group with kernel set ks on pool.
+template <class W>
+void project(KernelSet ks, float* y, const float* x, const W* w, std::size_t n, std::size_t in,
+             std::size_t out, ThreadPool* pool, float* panels, float* x_rounded) {
+  detail::linear_group<float, W>({{y, w, out}}, x, n, in, pool,
+                                 {panels, detail::kPanelRows * in, x_rounded}, ks);
+}
+
+/// Every supported set's projections on odd sizes (tails of every step width, one and a few and
+/// many tokens, 1 and 2 threads) against the naive loop; throws on the first mismatch.
+template <class W>
+void check_odd_sizes() {
+  for (const KernelSet ks : kKernelSets) {
+    if (!cpu_supports(ks)) continue;
+    for (const std::size_t in : {1, 7, 17, 31, 33, 63, 65, 95, 129, 295})
+      for (const std::size_t out : {1, 13, 70})
+        for (const std::size_t n : {1, 3, 16, 17})
+          for (const std::size_t threads : {1, 2}) {
+            const AlignedBuffer<W> w = random_buffer<W>(out * in, in + out);
+            const AlignedBuffer<float> x = random_buffer<float>(n * in, n + in);
+            AlignedBuffer<float> y(n * out), panels(threads * detail::kPanelRows * in),
+                rounded(n * in);
+            project(ks, y.data(), x.data(), w.data(), n, in, out, pool_for(threads), panels.data(),
+                    rounded.data());
+            check_against_naive(y.data(), w.data(), x.data(), n, out, in, kernel_set_name(ks));
+          }
   }
 }
 
@@ -69,18 +111,24 @@ void set_gemv_counters(benchmark::State& state, std::size_t bytes) {
                           static_cast<std::int64_t>(bytes));
 }
 
-/// The hand-written kernel (AVX-512 when compiled for it), rows split across the pool.
+/// Kernel set range(1) (its index in kKernelSets), rows split across range(0) threads.
 template <class W>
 void BM_Gemv(benchmark::State& state) {
   const auto threads = static_cast<std::size_t>(state.range(0));
+  const KernelSet ks = kKernelSets[static_cast<std::size_t>(state.range(1))];
+  if (!cpu_supports(ks)) {
+    state.SkipWithError((std::string("this CPU cannot run ") + kernel_set_name(ks)).c_str());
+    return;
+  }
+  state.SetLabel(kernel_set_name(ks));
   const AlignedBuffer<W>& w = classifier<W>();
   AlignedBuffer<float> y(kRows);
-  detail::linear(y.data(), input().data(), w.data(), 1, kCols, kRows, pool_for(threads), nullptr,
-                 0);
-  check_against_naive(y.data(), w.data(), input().data(), kRows, kCols);
+  project(ks, y.data(), input().data(), w.data(), 1, kCols, kRows, pool_for(threads), nullptr,
+          nullptr);
+  check_against_naive(y.data(), w.data(), input().data(), 1, kRows, kCols, kernel_set_name(ks));
   for (auto _ : state) {
-    detail::linear(y.data(), input().data(), w.data(), 1, kCols, kRows, pool_for(threads), nullptr,
-                   0);
+    project(ks, y.data(), input().data(), w.data(), 1, kCols, kRows, pool_for(threads), nullptr,
+            nullptr);
     benchmark::DoNotOptimize(y.data());
   }
   set_gemv_counters(state, w.bytes());
@@ -102,7 +150,7 @@ void BM_GemvBf16Portable(benchmark::State& state) {
   const AlignedBuffer<bf16>& w = classifier<bf16>();
   AlignedBuffer<float> y(kRows);
   detail::gemv_rows_bf16_portable(y.data(), w.data(), input().data(), 0, kRows, kCols);
-  check_against_naive(y.data(), w.data(), input().data(), kRows, kCols);
+  check_against_naive(y.data(), w.data(), input().data(), 1, kRows, kCols, "portable bf16");
   for (auto _ : state) {
     detail::gemv_rows_bf16_portable(y.data(), w.data(), input().data(), 0, kRows, kCols);
     benchmark::DoNotOptimize(y.data());
@@ -110,7 +158,7 @@ void BM_GemvBf16Portable(benchmark::State& state) {
   set_gemv_counters(state, w.bytes());
 }
 
-/// Prefill's projection: 128 tokens × the 110M FFN gate (2048 × 768), Eigen GEMM per thread.
+/// Prefill's projection: 128 tokens × the 110M FFN gate (2048 × 768), the GEMM per thread.
 template <class W>
 void BM_Gemm(benchmark::State& state) {
   constexpr std::size_t n = 128, in = 768, out = 2048;
@@ -118,10 +166,15 @@ void BM_Gemm(benchmark::State& state) {
   const AlignedBuffer<W> w = random_buffer<W>(out * in, 3);
   const AlignedBuffer<float> x = random_buffer<float>(n * in, 4);
   AlignedBuffer<float> y(n * out);
-  AlignedBuffer<float> panels(threads * detail::kPanelRows * in);
+  AlignedBuffer<float> panels(threads * detail::kPanelRows * in), rounded(n * in);
+  const KernelSet ks = active_kernel_set();
+  state.SetLabel(kernel_set_name(ks));
+  project(ks, y.data(), x.data(), w.data(), n, in, out, pool_for(threads), panels.data(),
+          rounded.data());
+  check_against_naive(y.data(), w.data(), x.data(), 4, out, in, "GEMM");  // the first 4 tokens
   for (auto _ : state) {
-    detail::linear(y.data(), x.data(), w.data(), n, in, out, pool_for(threads), panels.data(),
-                   detail::kPanelRows * in);
+    project(ks, y.data(), x.data(), w.data(), n, in, out, pool_for(threads), panels.data(),
+            rounded.data());
     benchmark::DoNotOptimize(y.data());
   }
   const double flops = 2.0 * n * in * out;
@@ -130,12 +183,28 @@ void BM_Gemm(benchmark::State& state) {
 }
 
 BENCHMARK(BM_GemvEigen)->UseRealTime()->Unit(benchmark::kMicrosecond);
-BENCHMARK_TEMPLATE(BM_Gemv, float)->Arg(1)->Arg(2)->UseRealTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK_TEMPLATE(BM_Gemv, float)
+    ->ArgsProduct({{1, 2}, {0, 1, 2, 3}})
+    ->ArgNames({"threads", "set"})
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_GemvBf16Portable)->UseRealTime()->Unit(benchmark::kMicrosecond);
-BENCHMARK_TEMPLATE(BM_Gemv, bf16)->Arg(1)->Arg(2)->UseRealTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK_TEMPLATE(BM_Gemv, bf16)
+    ->ArgsProduct({{1, 2}, {0, 1, 2, 3}})
+    ->ArgNames({"threads", "set"})
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
 BENCHMARK_TEMPLATE(BM_Gemm, float)->Arg(1)->Arg(2)->UseRealTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK_TEMPLATE(BM_Gemm, bf16)->Arg(1)->Arg(2)->UseRealTime()->Unit(benchmark::kMicrosecond);
 
 }  // namespace
 
-BENCHMARK_MAIN();
+int main(int argc, char** argv) {
+  check_odd_sizes<float>();
+  check_odd_sizes<bf16>();
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

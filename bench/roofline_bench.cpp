@@ -16,12 +16,8 @@
 #include <string>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
 #include "kvdecode/io/checkpoint.hpp"
-#include "kvdecode/kvdecode.hpp"
+#include "kvdecode/kvdecode.hpp"  // and <immintrin.h>, through detail/cpu.hpp
 
 namespace {
 

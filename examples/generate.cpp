@@ -568,6 +568,7 @@ int generate_with(const Run& run, const kvdecode::Model<float, W>& model, S& cac
   std::fprintf(out, "weights            %s, %zu bytes\n", std::is_same_v<W, bf16> ? "bf16" : "f32",
                model.weights().bytes());
   std::fprintf(out, "load               %.2f ms (weights and tokenizer)\n", run.src.load_ms);
+  std::fprintf(out, "kernels            %s\n", active_kernel_set_name());
   std::fprintf(out, "KV store           %s, %zu bytes reserved for %s\n", describe(cache).c_str(),
                cache.memory_bytes(), reserved_for(cache).c_str());
   const double per_position = kv_bytes_per_position(cache, cfg);

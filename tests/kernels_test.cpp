@@ -1,21 +1,28 @@
-// The optimised kernels against naive loops written here: GEMV (f32, bf16), the column-sliced
-// GEMM, the few-token GEMM of batched decode (also against each token's GEMV), the threaded
-// projection at 1/2/3 threads, the thread pool, bf16 rounding, and threaded
-// attention. Odd sizes (1 row, columns not multiples of 16 or 32) cover every tail path.
+// The optimised kernels of every kernel set this CPU supports against naive loops written here:
+// GEMV (f32, bf16), the few-token GEMM of batched decode (also against each token's GEMV), the
+// projection scheduler (linear_group) at 1/2/3 threads, the int8 and 4-bit dequantization, the
+// kernel-set choice, the thread pool, bf16 rounding and threaded attention. Odd sizes (columns
+// 1..70 and 95, 129, 295; rows not multiples of any block; 1..16 tokens) cover every tail path.
+// A set the CPU lacks is skipped by name.
 //
 // f32 bound: a sum of n products computed in f32 in any order is within γ_n·Σ|w_i x_i| of the
 // exact sum, γ_n ≈ n·2^-24 (Higham, Accuracy and Stability, §3.1); the naive loop sums in double.
-#include "kvdecode/detail/kernels.hpp"
-
 #include <gtest/gtest.h>
 
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
 #include <stdexcept>
+#include <string>
 #include <vector>
 
+#include "kvdecode/detail/cpu.hpp"
+#include "kvdecode/detail/gemm.hpp"
+#include "kvdecode/detail/gemv.hpp"
+#include "kvdecode/detail/linear.hpp"
+#include "kvdecode/detail/quantize.hpp"
 #include "kvdecode/kvdecode.hpp"
 #include "test_util.hpp"
 
@@ -45,168 +52,354 @@ void naive_gemv(const std::vector<W>& w, const std::vector<float>& x, std::size_
     }
 }
 
-const std::vector<std::size_t> kRows = {1, 3, 16, 17, 33};
-const std::vector<std::size_t> kCols = {1, 7, 15, 16, 17, 31, 32, 33, 63, 64, 65, 100, 288};
+// Columns 1..70 (every tail of 8-, 16-, 32- and 64-column steps) and a few longer odd rows.
+std::vector<std::size_t> odd_cols() {
+  std::vector<std::size_t> c;
+  for (std::size_t i = 1; i <= 70; ++i) c.push_back(i);
+  for (const std::size_t i : {95, 129, 295}) c.push_back(i);
+  return c;
+}
+const std::vector<std::size_t> kRows = {1, 3, 17, 33};
 
-TEST(KernelsTest, GemvF32MatchesNaive) {
+/// Each test runs once per kernel set; a set this CPU cannot run is skipped, by name.
+class KernelSetTest : public ::testing::TestWithParam<KernelSet> {
+ protected:
+  void SetUp() override {
+    if (!cpu_supports(GetParam()))
+      GTEST_SKIP() << "this CPU cannot run the " << kernel_set_name(GetParam()) << " kernels";
+  }
+  KernelSet ks() const { return GetParam(); }
+};
+
+double x_exact(float v) { return static_cast<double>(v); }
+double x_bf16(float v) { return static_cast<double>(static_cast<float>(bf16(v))); }
+
+TEST_P(KernelSetTest, GemvF32MatchesNaive) {
   for (const std::size_t rows : kRows)
-    for (const std::size_t cols : kCols) {
+    for (const std::size_t cols : odd_cols()) {
       const auto w = random_vector<float>(rows * cols, rows * 1000 + cols);
       const auto x = random_vector<float>(cols, cols);
       std::vector<double> ref, mag;
-      naive_gemv(
-          w, x, rows, cols, [](float v) { return static_cast<double>(v); }, ref, mag);
+      naive_gemv(w, x, rows, cols, x_exact, ref, mag);
       std::vector<float> y(rows, std::numeric_limits<float>::quiet_NaN());
-      detail::gemv_rows(y.data(), w.data(), x.data(), 0, rows, cols);
+      detail::gemv_rows(ks(), y.data(), w.data(), x.data(), 0, rows, cols);
       for (std::size_t r = 0; r < rows; ++r)
-        EXPECT_LE(std::abs(y[r] - ref[r]), static_cast<double>(cols) * 0x1p-24 * mag[r])
+        ASSERT_LE(std::abs(y[r] - ref[r]), static_cast<double>(cols) * 0x1p-24 * mag[r])
             << rows << "×" << cols << " row " << r;
     }
 }
 
-TEST(KernelsTest, GemmFewMatchesNaiveAndEachTokensGemv) {
-  for (const std::size_t n : {1, 2, 3, 4, 5, 7, 8, 17, 32})
-    for (const std::size_t rows : kRows)
-      for (const std::size_t cols : {1, 15, 16, 17, 31, 32, 33, 100, 288}) {
+TEST_P(KernelSetTest, GemmFewMatchesNaiveAndEachTokensGemv) {
+  for (std::size_t n = 1; n <= detail::kMaxFewTokens; ++n)
+    for (const std::size_t rows : {1, 2, 3, 17})
+      for (const std::size_t cols : {1, 7, 8, 9, 15, 16, 17, 31, 33, 63, 65, 95, 129, 295}) {
         const auto w = random_vector<float>(rows * cols, rows * 1000 + cols);
         const auto x = random_vector<float>(n * cols, n * 7 + cols);  // [n][cols]
         // Columns [1, rows) only when rows > 1: the slice a thread gets; column 0 stays NaN.
         const std::size_t c0 = rows > 1 ? 1 : 0;
         std::vector<float> y(n * rows, std::numeric_limits<float>::quiet_NaN());  // [n][rows]
-        detail::gemm_few(y.data(), x.data(), w.data(), n, cols, rows, c0, rows,
+        detail::gemm_few(ks(), y.data(), x.data(), w.data(), n, cols, rows, c0, rows,
                          static_cast<float*>(nullptr));
         for (std::size_t t = 0; t < n; ++t) {
           const std::vector<float> xt(x.begin() + static_cast<std::ptrdiff_t>(t * cols),
                                       x.begin() + static_cast<std::ptrdiff_t>((t + 1) * cols));
           std::vector<double> ref, mag;
-          naive_gemv(
-              w, xt, rows, cols, [](float v) { return static_cast<double>(v); }, ref, mag);
+          naive_gemv(w, xt, rows, cols, x_exact, ref, mag);
           std::vector<float> gemv(rows);
-          detail::gemv_rows(gemv.data(), w.data(), xt.data(), 0, rows, cols);
+          detail::gemv_rows(ks(), gemv.data(), w.data(), xt.data(), 0, rows, cols);
           for (std::size_t r = 0; r < rows; ++r) {
             const float got = y[t * rows + r];
             if (r < c0) {
-              EXPECT_TRUE(std::isnan(got)) << "column outside the slice was written";
+              ASSERT_TRUE(std::isnan(got)) << "column outside the slice was written";
               continue;
             }
-            EXPECT_LE(std::abs(got - ref[r]), static_cast<double>(cols) * 0x1p-24 * mag[r])
+            ASSERT_LE(std::abs(got - ref[r]), static_cast<double>(cols) * 0x1p-24 * mag[r])
                 << n << " tokens " << rows << "×" << cols << " token " << t << " row " << r;
-            // With the AVX-512 kernel a token's outputs are its GEMV's, bit for bit.
-            if (detail::kHasGemmFew<float, float>) {
-              EXPECT_EQ(got, gemv[r]) << n << " tokens " << rows << "×" << cols << " token " << t;
+            // With a few-token kernel a token's outputs are its GEMV's, bit for bit.
+            if (detail::has_gemm_few<float, float>(ks())) {
+              ASSERT_EQ(got, gemv[r]) << n << " tokens " << rows << "×" << cols << " token " << t;
             }
           }
         }
       }
 }
 
-TEST(KernelsTest, GemvF32RowRangeTouchesOnlyItsRows) {
+// bf16 weights: gemm_few over x rounded once (as linear_group passes it) gives each token's
+// GEMV (which rounds x itself) bit for bit, in every set, and the naive loop's value within the
+// f32 bound; inputs longer than kMaxStackCols compare against the GEMV that rounds in its loop.
+TEST_P(KernelSetTest, GemmFewBf16EqualsEachTokensGemv) {
+  for (std::size_t n = 1; n <= detail::kMaxFewTokens; ++n)
+    for (const std::size_t rows : {1, 2, 3, 17})
+      for (const std::size_t cols :
+           {std::size_t{1}, std::size_t{9}, std::size_t{17}, std::size_t{33}, std::size_t{63},
+            std::size_t{65}, std::size_t{95}, std::size_t{129}, detail::kMaxStackCols + 37}) {
+        if (cols > detail::kMaxStackCols && (n > 3 || rows > 3)) continue;
+        const auto w = random_vector<bf16>(rows * cols, rows * 1000 + cols);
+        const auto x = random_vector<float>(n * cols, n * 7 + cols);  // [n][cols]
+        std::vector<float> xr(n * cols);
+        detail::round_to_bf16(x.data(), xr.data(), n * cols);
+        std::vector<float> y(n * rows);  // [n][rows]
+        detail::gemm_few(ks(), y.data(), xr.data(), w.data(), n, cols, rows, 0, rows,
+                         static_cast<float*>(nullptr));
+        for (std::size_t t = 0; t < n; ++t) {
+          const std::vector<float> xt(x.begin() + static_cast<std::ptrdiff_t>(t * cols),
+                                      x.begin() + static_cast<std::ptrdiff_t>((t + 1) * cols));
+          std::vector<double> ref, mag;
+          naive_gemv(w, xt, rows, cols, x_bf16, ref, mag);
+          std::vector<float> gemv(rows);
+          detail::gemv_rows(ks(), gemv.data(), w.data(), xt.data(), 0, rows, cols);
+          for (std::size_t r = 0; r < rows; ++r) {
+            ASSERT_EQ(y[t * rows + r], gemv[r]) << n << " tokens " << rows << "×" << cols;
+            ASSERT_LE(std::abs(gemv[r] - ref[r]), static_cast<double>(cols) * 0x1p-24 * mag[r]);
+          }
+        }
+      }
+}
+
+TEST_P(KernelSetTest, GemvRowRangeTouchesOnlyItsRows) {
   const std::size_t rows = 37, cols = 45;
   const auto w = random_vector<float>(rows * cols, 5);
+  const auto wb = random_vector<bf16>(rows * cols, 5);
   const auto x = random_vector<float>(cols, 6);
-  std::vector<float> whole(rows), part(rows, -7.0f);
-  detail::gemv_rows(whole.data(), w.data(), x.data(), 0, rows, cols);
-  detail::gemv_rows(part.data(), w.data(), x.data(), 5, 22, cols);
+  std::vector<float> whole(rows), part(rows, -7.0f), whole_b(rows), part_b(rows, -7.0f);
+  detail::gemv_rows(ks(), whole.data(), w.data(), x.data(), 0, rows, cols);
+  detail::gemv_rows(ks(), part.data(), w.data(), x.data(), 5, 22, cols);
+  detail::gemv_rows(ks(), whole_b.data(), wb.data(), x.data(), 0, rows, cols);
+  detail::gemv_rows(ks(), part_b.data(), wb.data(), x.data(), 5, 22, cols);
   for (std::size_t r = 0; r < rows; ++r) {
     if (r >= 5 && r < 22) {
       EXPECT_EQ(part[r], whole[r]) << "row " << r;  // same per-row arithmetic, bit for bit
+      EXPECT_EQ(part_b[r], whole_b[r]) << "row " << r;
     } else {
       EXPECT_EQ(part[r], -7.0f) << "row " << r;
+      EXPECT_EQ(part_b[r], -7.0f) << "row " << r;
     }
   }
 }
 
 // bf16: the kernel multiplies bf16 weights by x rounded to bf16 (exact products) and sums in
-// f32, so against the naive loop over the same rounded values the f32 bound holds; against the
-// unrounded x it may add the input rounding, 2^-8 relative per term.
-TEST(KernelsTest, GemvBf16MatchesNaive) {
+// f32, so against the naive loop over the same rounded values the f32 bound holds. Inputs longer
+// than kMaxStackCols take the path that rounds inside the row loop.
+TEST_P(KernelSetTest, GemvBf16MatchesNaiveOverRoundedInput) {
+  std::vector<std::size_t> cols_list = odd_cols();
+  cols_list.push_back(detail::kMaxStackCols + 37);
   for (const std::size_t rows : kRows)
-    for (const std::size_t cols : kCols) {
+    for (const std::size_t cols : cols_list) {
       const auto w = random_vector<bf16>(rows * cols, rows * 77 + cols);
       const auto x = random_vector<float>(cols, cols + 1);
-      std::vector<double> ref, mag, ref_x, mag_x;
-      naive_gemv(
-          w, x, rows, cols,
-          [](float v) { return static_cast<double>(static_cast<float>(bf16(v))); }, ref, mag);
-      naive_gemv(
-          w, x, rows, cols, [](float v) { return static_cast<double>(v); }, ref_x, mag_x);
-      std::vector<float> y(rows), y_portable(rows);
-      detail::gemv_rows(y.data(), w.data(), x.data(), 0, rows, cols);
-      detail::gemv_rows_bf16_portable(y_portable.data(), w.data(), x.data(), 0, rows, cols);
-      for (std::size_t r = 0; r < rows; ++r) {
-        const double f32 = static_cast<double>(cols) * 0x1p-24 * mag[r];
-        EXPECT_LE(std::abs(y[r] - ref[r]), f32) << rows << "×" << cols << " row " << r;
-        EXPECT_LE(std::abs(y_portable[r] - ref[r]), f32) << rows << "×" << cols << " row " << r;
-        EXPECT_LE(std::abs(y[r] - ref_x[r]), f32 + 0x1p-8 * mag_x[r]);
-      }
+      std::vector<double> ref, mag;
+      naive_gemv(w, x, rows, cols, x_bf16, ref, mag);
+      std::vector<float> y(rows, std::numeric_limits<float>::quiet_NaN());
+      detail::gemv_rows(ks(), y.data(), w.data(), x.data(), 0, rows, cols);
+      for (std::size_t r = 0; r < rows; ++r)
+        ASSERT_LE(std::abs(y[r] - ref[r]), static_cast<double>(cols) * 0x1p-24 * mag[r])
+            << rows << "×" << cols << " row " << r;
     }
 }
 
-/// detail::linear at 1, 2 and 3 threads: GEMV bit-identical to one thread, GEMM (Eigen per
-/// column slice, bf16 widened in panels of kPanelRows rows) within the f32 bound of the naive.
+/// Inputs on and around bf16 rounding ties, weights 1: every sum below is exact in f32, so a
+/// path that truncates x, rounds ties away from zero, or keeps x in f32 gets another value.
+std::vector<float> tie_inputs(std::size_t cols) {
+  const float pattern[] = {1.0f + 0x1p-8f,  1.0f + 3 * 0x1p-8f, -(1.0f + 0x1p-8f),
+                           2.0f + 0x1p-7f,  1.0f + 0x1p-9f,     -(1.0f + 3 * 0x1p-9f),
+                           0.5f + 0x1p-10f, 4.0f - 0x1p-7f};
+  std::vector<float> x(cols);
+  for (std::size_t c = 0; c < cols; ++c) x[c] = pattern[c % 8];
+  return x;
+}
+
+TEST_P(KernelSetTest, Bf16PathsRoundInputsToNearestEven) {
+  const std::size_t rows = 19;
+  for (const std::size_t cols : {1, 7, 9, 17, 33, 65, 70, 129}) {
+    std::vector<bf16> w(rows * cols, bf16(1.0f));
+    for (std::size_t r = 0; r < rows; ++r) w[r * cols + r % cols] = bf16(-2.0f);
+    for (const std::size_t n : {1, 3, 16, 17}) {  // GEMV, gemm_few, gemm_few, gemm_cols
+      std::vector<float> x;
+      for (std::size_t t = 0; t < n; ++t) {
+        std::vector<float> xt = tie_inputs(cols);
+        for (float& v : xt) v *= static_cast<float>(t + 1);
+        x.insert(x.end(), xt.begin(), xt.end());
+      }
+      std::vector<float> y(n * rows), panels(detail::kPanelRows * cols), rounded(n * cols);
+      detail::linear_group<float, bf16>({{y.data(), w.data(), rows}}, x.data(), n, cols, nullptr,
+                                        {panels.data(), 0, rounded.data()}, ks());
+      for (std::size_t t = 0; t < n; ++t)
+        for (std::size_t r = 0; r < rows; ++r) {
+          double expected = 0;
+          for (std::size_t c = 0; c < cols; ++c)
+            expected +=
+                static_cast<double>(static_cast<float>(w[r * cols + c])) * x_bf16(x[t * cols + c]);
+          ASSERT_EQ(y[t * rows + r], expected) << n << " tokens, " << cols << " columns, row " << r;
+        }
+    }
+  }
+}
+
+/// linear_group at 1, 2 and 3 threads, one token (GEMV), a few (gemm_few) and more than
+/// kMaxFewTokens (gemm_cols, bf16 widened in panels): within the f32 bound of the naive loop
+/// over x rounded as the weight type's rule says; one token bit-identical at every thread count.
 template <class W>
-void check_linear() {
+void check_linear_group(KernelSet ks) {
   const std::size_t in = 70;
-  for (const std::size_t out :
-       {std::size_t{1}, std::size_t{17}, std::size_t{130}, std::size_t{600}})
-    for (const std::size_t n : {std::size_t{1}, std::size_t{2}, std::size_t{5}}) {
+  for (const std::size_t out : {1, 17, 130, 600})
+    for (const std::size_t n : {1, 2, 5, 17}) {
       const auto w = random_vector<W>(out * in, out + n);
       const auto x = random_vector<float>(n * in, 3 * n);
       std::vector<float> one(n * out);
-      std::vector<float> one_panel(detail::kPanelRows * in);
-      detail::linear(one.data(), x.data(), w.data(), n, in, out, nullptr, one_panel.data(), 0);
       for (const std::size_t threads : {1, 2, 3}) {
         ThreadPool pool(threads);
-        std::vector<float> panels(threads * detail::kPanelRows * in);
+        std::vector<float> panels(threads * detail::kPanelRows * in), rounded(n * in);
         std::vector<float> y(n * out, std::numeric_limits<float>::quiet_NaN());
-        // kMinParallelWeights keeps small products on one thread; force the split through the
-        // pool by calling gemv/gemm on each share exactly as linear() does for large ones.
-        pool.run([&](std::size_t t) {
-          const auto [c0, c1] = ThreadPool::share(out, threads, t, 16);
-          if (c1 <= c0) return;
-          if (n == 1) {
-            detail::gemv_rows(y.data(), w.data(), x.data(), c0, c1, in);
-          } else {
-            detail::gemm_cols(y.data(), x.data(), w.data(), n, in, out, c0, c1,
-                              panels.data() + t * detail::kPanelRows * in);
-          }
-        });
+        detail::linear_group<float, W>({{y.data(), w.data(), out}}, x.data(), n, in, &pool,
+                                       {panels.data(), detail::kPanelRows * in, rounded.data()},
+                                       ks);
+        if (threads == 1) one = y;
         for (std::size_t i = 0; i < n; ++i)
           for (std::size_t o = 0; o < out; ++o) {
             double ref = 0, mag = 0;
             for (std::size_t c = 0; c < in; ++c) {
-              // GEMV with bf16 weights rounds x; the GEMM widens the weights and keeps x.
-              const float xv = (n == 1 && !std::is_same_v<W, float>)
-                                   ? static_cast<float>(bf16(x[i * in + c]))
-                                   : x[i * in + c];
+              const double xv =
+                  std::is_same_v<W, float> ? x_exact(x[i * in + c]) : x_bf16(x[i * in + c]);
               const double p = static_cast<double>(static_cast<float>(w[o * in + c])) * xv;
               ref += p;
               mag += std::abs(p);
             }
             const float got = y[i * out + o];
-            EXPECT_LE(std::abs(got - ref), static_cast<double>(in) * 0x1p-24 * mag)
+            ASSERT_LE(std::abs(got - ref), static_cast<double>(in) * 0x1p-24 * mag)
                 << "n " << n << " out " << out << " threads " << threads;
             if (n == 1) {
-              EXPECT_EQ(got, one[o]) << "out " << out << " threads " << threads;
+              ASSERT_EQ(got, one[o]) << "out " << out << " threads " << threads;
             }
           }
       }
     }
 }
 
-TEST(KernelsTest, LinearF32AtOneTwoThreeThreads) { check_linear<float>(); }
-TEST(KernelsTest, LinearBf16AtOneTwoThreeThreads) { check_linear<bf16>(); }
+TEST_P(KernelSetTest, LinearGroupF32AtOneTwoThreeThreads) { check_linear_group<float>(ks()); }
+TEST_P(KernelSetTest, LinearGroupBf16AtOneTwoThreeThreads) { check_linear_group<bf16>(ks()); }
 
-TEST(KernelsTest, LinearLargeGemvSplitsAcrossPoolBitIdentically) {
+TEST_P(KernelSetTest, LinearGroupLargeGemvSplitsAcrossPoolBitIdentically) {
   const std::size_t in = 333, out = 1001;  // above kMinParallelWeights, odd sizes
   static_assert(333 * 1001 >= detail::kMinParallelWeights);
   const auto w = random_vector<float>(out * in, 8);
   const auto x = random_vector<float>(in, 9);
   std::vector<float> one(out), three(out);
-  detail::linear(one.data(), x.data(), w.data(), 1, in, out, nullptr, nullptr, 0);
+  detail::linear_group<float, float>({{one.data(), w.data(), out}}, x.data(), 1, in, nullptr, {},
+                                     ks());
   ThreadPool pool(3);
-  detail::linear(three.data(), x.data(), w.data(), 1, in, out, &pool, nullptr, 0);
+  detail::linear_group<float, float>({{three.data(), w.data(), out}}, x.data(), 1, in, &pool, {},
+                                     ks());
   EXPECT_EQ(one, three);
+}
+
+// Dequantization: int8 is one product per value, so every set must equal the portable loop bit
+// for bit; 4-bit keys and values are min + code·step, checked against that formula in double
+// within two f32 roundings (the multiply and the add, or one for a fused multiply-add).
+TEST_P(KernelSetTest, DequantizeInt8EqualsPortable) {
+  for (const std::size_t hs : {1, 8, 15, 16, 17, 31, 32, 33, 48, 64, 65, 128}) {
+    const std::size_t n = 5;
+    std::vector<std::int8_t> q(n * hs);
+    detail::SplitMix64 rng(hs);
+    for (auto& v : q) v = static_cast<std::int8_t>(static_cast<int>(rng.next() % 255) - 127);
+    const auto scale = random_vector<float>(n, hs + 1);
+    std::vector<float> got(n * hs), want(n * hs);
+    detail::dequantize_int8(ks(), q.data(), scale.data(), n, hs, got.data());
+    detail::dequantize_int8_portable(q.data(), scale.data(), n, hs, want.data());
+    EXPECT_EQ(got, want) << "head size " << hs;
+    EXPECT_EQ(got[n * hs - 1], static_cast<float>(q[n * hs - 1]) * scale[n - 1]);
+  }
+}
+
+TEST_P(KernelSetTest, DequantizeQ4MatchesFormula) {
+  for (const std::size_t hs : {2, 6, 8, 14, 16, 18, 30, 32, 34, 48, 64, 66, 128}) {
+    const std::size_t n = 5;
+    std::vector<std::uint8_t> kq(n * hs / 2), vq(n * hs / 2);
+    detail::SplitMix64 rng(hs);
+    for (auto& v : kq) v = static_cast<std::uint8_t>(rng.next() & 0xFF);
+    for (auto& v : vq) v = static_cast<std::uint8_t>(rng.next() & 0xFF);
+    const auto kmin = random_vector<float>(hs, 1), kstep = random_vector<float>(hs, 2);
+    const auto vmin = random_vector<float>(n, 3), vstep = random_vector<float>(n, 4);
+    std::vector<float> keys(n * hs), values(n * hs);
+    detail::dequantize_q4(ks(), kq.data(), kmin.data(), kstep.data(), vq.data(), vmin.data(),
+                          vstep.data(), n, hs, keys.data(), values.data());
+    const auto near = [](float got, double min, double code, double step) {
+      const double exact = min + code * step;
+      return std::abs(got - exact) <= 0x1p-23 * (std::abs(min) + std::abs(code * step));
+    };
+    for (std::size_t r = 0; r < n; ++r)
+      for (std::size_t c = 0; c < hs; ++c) {
+        const std::uint8_t kb = kq[r * hs / 2 + c / 2], vb = vq[r * hs / 2 + c / 2];
+        const int kc = c % 2 == 0 ? kb & 0xF : kb >> 4;
+        const int vc = c % 2 == 0 ? vb & 0xF : vb >> 4;
+        ASSERT_TRUE(near(keys[r * hs + c], kmin[c], kc, kstep[c]))
+            << "head size " << hs << " key " << r << "," << c;
+        ASSERT_TRUE(near(values[r * hs + c], vmin[r], vc, vstep[r]))
+            << "head size " << hs << " value " << r << "," << c;
+      }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(EverySet, KernelSetTest, ::testing::ValuesIn(kKernelSets),
+                         [](const ::testing::TestParamInfo<KernelSet>& set) {
+                           return std::string(kernel_set_name(set.param));
+                         });
+
+TEST(KernelSetChoiceTest, NamesRoundTripAndBestIsSupported) {
+  for (const KernelSet s : kKernelSets) EXPECT_EQ(parse_kernel_set(kernel_set_name(s)), s);
+  EXPECT_FALSE(parse_kernel_set("sse9").has_value());
+  EXPECT_TRUE(cpu_supports(KernelSet::kPortable));
+  EXPECT_TRUE(cpu_supports(best_kernel_set()));
+  for (const KernelSet s : kKernelSets) {  // each set needs the instructions of the ones before
+    if (cpu_supports(s)) {
+      EXPECT_LE(static_cast<int>(s), static_cast<int>(best_kernel_set()));
+    }
+  }
+}
+
+TEST(KernelSetChoiceTest, ForceSwitchesSupportedSetsAndRefusesOthers) {
+  const KernelSet before = active_kernel_set();
+  for (const KernelSet s : kKernelSets) {
+    if (cpu_supports(s)) {
+      force_kernel_set(s);
+      EXPECT_EQ(active_kernel_set(), s);
+      EXPECT_STREQ(active_kernel_set_name(), kernel_set_name(s));
+    } else {
+      const KernelSet now = active_kernel_set();
+      EXPECT_THROW(force_kernel_set(s), Error) << kernel_set_name(s);
+      EXPECT_EQ(active_kernel_set(), now);
+    }
+  }
+  force_kernel_set(before);
+  if (best_kernel_set() == KernelSet::kAvx512Bf16)
+    GTEST_SKIP() << "this CPU runs every set, so no refusal could be checked";
+}
+
+TEST(KernelSetChoiceTest, EnvironmentVariableChoosesOrIsAnError) {
+  const char* old = std::getenv("KVDECODE_ISA");
+  const std::string saved = old == nullptr ? "" : old;
+  ::setenv("KVDECODE_ISA", "portable", 1);
+  EXPECT_EQ(detail::kernel_set_from_environment(), KernelSet::kPortable);
+  ::setenv("KVDECODE_ISA", "", 1);
+  EXPECT_EQ(detail::kernel_set_from_environment(), best_kernel_set());
+  ::setenv("KVDECODE_ISA", "avx1024", 1);
+  try {
+    detail::kernel_set_from_environment();
+    ADD_FAILURE() << "an unknown name was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("KVDECODE_ISA=avx1024 names no kernel set"),
+              std::string::npos)
+        << e.what();
+  }
+  for (const KernelSet s : kKernelSets)
+    if (!cpu_supports(s)) {
+      ::setenv("KVDECODE_ISA", kernel_set_name(s), 1);
+      EXPECT_THROW(detail::kernel_set_from_environment(), Error) << kernel_set_name(s);
+    }
+  if (old == nullptr) {
+    ::unsetenv("KVDECODE_ISA");
+  } else {
+    ::setenv("KVDECODE_ISA", saved.c_str(), 1);
+  }
 }
 
 TEST(ThreadPoolTest, RunsEveryIndexOnceAndPropagatesErrors) {

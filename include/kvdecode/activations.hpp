@@ -4,11 +4,12 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <type_traits>
 #include <vector>
 
 #include "kvdecode/aligned_buffer.hpp"
 #include "kvdecode/attention.hpp"
-#include "kvdecode/detail/kernels.hpp"
+#include "kvdecode/detail/gemm.hpp"
 #include "kvdecode/model_config.hpp"
 #include "kvdecode/thread_pool.hpp"
 #include "kvdecode/work_counters.hpp"
@@ -63,10 +64,11 @@ struct Activations {
     batch_logits = AlignedBuffer<T>(max_batch * static_cast<std::size_t>(cfg.vocab_size));
     segments.resize(n);
     attention = AttentionScratch<T>(cfg, n, store_scratch, n_threads);
-    if (n > 1) {  // prefill with bf16 weights widens panels of weight rows; decode never does
-      panel_stride =
-          detail::kPanelRows * static_cast<std::size_t>(std::max(cfg.dim, cfg.hidden_dim));
+    if (n > 1) {  // several tokens with bf16 weights widen panels of weight rows and round x
+      const auto max_in = static_cast<std::size_t>(std::max(cfg.dim, cfg.hidden_dim));
+      panel_stride = detail::kPanelRows * max_in;
       panels = AlignedBuffer<T>(n_threads * panel_stride);
+      if constexpr (std::is_same_v<T, float>) x_rounded = AlignedBuffer<T>(n * max_in);
     }
   }
 
@@ -88,6 +90,7 @@ struct Activations {
   AttentionScratch<T> attention;
   std::size_t panel_stride = 0;  // kPanelRows × max(dim, hidden_dim) when max_tokens > 1, else 0
   AlignedBuffer<T> panels;       // [n_threads][kPanelRows][max(dim, hidden_dim)] widened weights
+  AlignedBuffer<T> x_rounded;    // [max_tokens][max(dim, hidden_dim)] input rounded to bf16
   /// The threads every step runs on (not owned); nullptr runs everything on the caller.
   ThreadPool* pool = nullptr;
   /// Threads the per-thread scratch was sized for: a pool set later may have at most this many.

@@ -2,7 +2,6 @@
 // MHA/GQA/MQA head sharing, the causal mask, and a numerically stable online softmax.
 #pragma once
 
-#include <Eigen/Core>
 #include <algorithm>
 #include <array>
 #include <cmath>

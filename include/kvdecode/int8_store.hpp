@@ -14,12 +14,10 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
 #include "kvdecode/aligned_buffer.hpp"
 #include "kvdecode/detail/store_sizes.hpp"
+#include "kvdecode/detail/cpu.hpp"
+#include "kvdecode/detail/quantize.hpp"
 #include "kvdecode/error.hpp"
 #include "kvdecode/kv_store.hpp"
 #include "kvdecode/model_config.hpp"
@@ -278,31 +276,10 @@ class Int8Store {
     return scale;
   }
 
-  /// out [n][head_size] = q [n][head_size] · scale [n] (one scale per row).
-  ///
-  /// Why an AVX-512 path: attention reads every cached row per step, so at long context this
-  /// loop runs over the whole cache each token and must be faster than streaming the f32 rows.
-  /// GCC 12 turns the plain loop into scalar code (int8_t is a char type that may alias the
-  /// output, so it versions the loop and, at head_size 48, leaves a scalar third), which made
-  /// the int8 store slower than the f32 one; 16 codes widened per instruction fix that.
+  /// out [n][head_size] = q [n][head_size] · scale [n] (one scale per row), with the active
+  /// kernel set (detail/quantize.hpp).
   void dequantize(const std::int8_t* q, const float* scale, std::size_t n, T* out) const {
-    for (std::size_t r = 0; r < n; ++r) {
-      const float s = scale[r];
-      const std::int8_t* qr = q + r * head_size_;
-      T* o = out + r * head_size_;
-      std::size_t c = 0;
-#if defined(__AVX512F__)
-      if constexpr (std::is_same_v<T, float>) {
-        const __m512 step = _mm512_set1_ps(s);
-        for (; c + 16 <= head_size_; c += 16) {
-          const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qr + c));
-          _mm512_storeu_ps(o + c,
-                           _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes)), step));
-        }
-      }
-#endif
-      for (; c < head_size_; ++c) o[c] = static_cast<T>(qr[c]) * static_cast<T>(s);
-    }
+    detail::dequantize_int8(active_kernel_set(), q, scale, n, head_size_, out);
   }
 
   std::size_t n_layers_ = 0;

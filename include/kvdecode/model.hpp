@@ -17,7 +17,7 @@
 #include "kvdecode/activations.hpp"
 #include "kvdecode/attention.hpp"
 #include "kvdecode/bf16.hpp"
-#include "kvdecode/detail/kernels.hpp"
+#include "kvdecode/detail/linear.hpp"
 #include "kvdecode/detail/ops.hpp"
 #include "kvdecode/error.hpp"
 #include "kvdecode/kv_store.hpp"
@@ -397,64 +397,13 @@ class Model {
     add_into(act.x.data(), act.xb.data(), n * dim);
   }
 
-  /// One output of a projection region: y [n][out] = x [n][in] · w [out][in]ᵀ.
-  struct Projection {
-    T* y;
-    const W* w;
-    std::size_t out;
-  };
+  using Projection = detail::Projection<T, W>;
 
-  /// Runs projections that share their input x [n][in] in one parallel region, so one wake-up
-  /// of the pool covers q, k and v (or gate and up). Small projections stay on the caller.
-  /// One token (GEMV, memory bound): threads claim chunks of ~64 KiB of weight rows from a
-  /// shared counter, so a thread the OS delays holds the others up by one chunk at most.
-  /// Several tokens (GEMM, compute bound): a static split into one slice per thread, as
-  /// Eigen's GEMM packs the input once per call and wants large slices; up to kMaxFewTokens
-  /// tokens (a batched decode step) with f32 weights on AVX-512, gemm_few, which streams each
-  /// weight row once for all the tokens and sums each output as the GEMV does.
+  /// The projections sharing input x [n][in], on act's pool and scratch (detail/linear.hpp).
   static void linear_group(std::initializer_list<Projection> ps, const T* x, std::size_t n,
                            std::size_t in, Activations<T>& act) {
-    std::size_t weights = 0;
-    for (const Projection& p : ps) weights += p.out * in;
-    ThreadPool* pool = weights >= detail::kMinParallelWeights ? act.pool : nullptr;
-    if (n == 1 && pool != nullptr) {
-      const std::size_t chunk =
-          std::max<std::size_t>(16, (std::size_t{1} << 16) / (in * sizeof(W)) / 16 * 16);
-      std::size_t n_chunks = 0;
-      for (const Projection& p : ps) n_chunks += (p.out + chunk - 1) / chunk;
-      std::atomic<std::size_t> next{0};
-      pool->run([&](std::size_t) {
-        for (std::size_t c = next.fetch_add(1, std::memory_order_relaxed); c < n_chunks;
-             c = next.fetch_add(1, std::memory_order_relaxed)) {
-          std::size_t first = c;  // chunk index → (projection, rows)
-          for (const Projection& p : ps) {
-            const std::size_t here = (p.out + chunk - 1) / chunk;
-            if (first < here) {
-              const std::size_t r0 = first * chunk;
-              detail::gemv_rows(p.y, p.w, x, r0, std::min(p.out, r0 + chunk), in);
-              break;
-            }
-            first -= here;
-          }
-        }
-      });
-      return;
-    }
-    parallel_run(pool, [&](std::size_t t, std::size_t nt) {
-      for (const Projection& p : ps) {
-        const auto [r0, r1] = ThreadPool::share(p.out, nt, t, 16);
-        if (r1 <= r0) continue;
-        if (n == 1) {
-          detail::gemv_rows(p.y, p.w, x, r0, r1, in);
-        } else if (n <= detail::kMaxFewTokens && detail::kHasGemmFew<T, W>) {
-          detail::gemm_few(p.y, x, p.w, n, in, p.out, r0, r1, static_cast<T*>(nullptr));
-        } else {
-          detail::gemm_cols(
-              p.y, x, p.w, n, in, p.out, r0, r1,
-              act.panels.empty() ? nullptr : act.panels.data() + t * act.panel_stride);
-        }
-      }
-    });
+    detail::linear_group<T, W>(ps, x, n, in, act.pool,
+                               {act.panels.data(), act.panel_stride, act.x_rounded.data()});
   }
 
   static void widen_into(T* out, const W* in, std::size_t count) {

@@ -14,12 +14,10 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
 #include "kvdecode/aligned_buffer.hpp"
 #include "kvdecode/detail/store_sizes.hpp"
+#include "kvdecode/detail/cpu.hpp"
+#include "kvdecode/detail/quantize.hpp"
 #include "kvdecode/error.hpp"
 #include "kvdecode/kv_store.hpp"
 #include "kvdecode/model_config.hpp"
@@ -456,46 +454,8 @@ class Q4Store {
     const std::uint8_t* vq = value_codes_.data() + gi * group_ * hs / 2;
     const float* kmin = key_min_.data() + gi * hs;
     const float* kstep = key_step_.data() + gi * hs;
-    for (std::size_t r = 0; r < n; ++r) {
-      const std::uint8_t* kr = kq + r * hs / 2;
-      T* ko = keys + r * hs;
-      const float vmin = value_min_[gi * group_ + r];
-      const float vstep = value_step_[gi * group_ + r];
-      const std::uint8_t* vr = vq + r * hs / 2;
-      T* vo = values + r * hs;
-      std::size_t c = 0;
-#if defined(__AVX512F__)
-      // Attention dequantizes the whole cache every step; the plain loop below stays scalar
-      // (nibble pairs defeat GCC 12's vectorizer) and made the 4-bit store slower than the f32
-      // one. 16 channels at a time: 8 bytes widened to 16-bit lanes b, each made the byte pair
-      // (b & 15, b >> 4), which is the channels' order, then widened to 16 floats.
-      if constexpr (std::is_same_v<T, float>) {
-        const __m128i low = _mm_set1_epi16(0x0F);
-        const auto unpack = [&](const std::uint8_t* codes) {
-          const __m128i b =
-              _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes)));
-          const __m128i pairs =
-              _mm_or_si128(_mm_and_si128(b, low), _mm_slli_epi16(_mm_srli_epi16(b, 4), 8));
-          return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(pairs));
-        };
-        const __m512 vmin16 = _mm512_set1_ps(vmin);
-        const __m512 vstep16 = _mm512_set1_ps(vstep);
-        for (; c + 16 <= hs; c += 16) {
-          _mm512_storeu_ps(
-              ko + c, _mm512_add_ps(_mm512_loadu_ps(kmin + c),
-                                    _mm512_mul_ps(unpack(kr + c / 2), _mm512_loadu_ps(kstep + c))));
-          _mm512_storeu_ps(vo + c,
-                           _mm512_add_ps(vmin16, _mm512_mul_ps(unpack(vr + c / 2), vstep16)));
-        }
-      }
-#endif
-      for (; c < hs; c += 2) {
-        ko[c] = static_cast<T>(kmin[c] + static_cast<float>(kr[c / 2] & 0xF) * kstep[c]);
-        ko[c + 1] = static_cast<T>(kmin[c + 1] + static_cast<float>(kr[c / 2] >> 4) * kstep[c + 1]);
-        vo[c] = static_cast<T>(vmin + static_cast<float>(vr[c / 2] & 0xF) * vstep);
-        vo[c + 1] = static_cast<T>(vmin + static_cast<float>(vr[c / 2] >> 4) * vstep);
-      }
-    }
+    detail::dequantize_q4(active_kernel_set(), kq, kmin, kstep, vq, value_min_.data() + gi * group_,
+                          value_step_.data() + gi * group_, n, hs, keys, values);
   }
 
   std::size_t n_layers_ = 0;

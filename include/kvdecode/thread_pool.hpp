@@ -13,10 +13,7 @@
 #include <utility>
 #include <vector>
 
-#if defined(__x86_64__) || defined(_M_X64) || defined(__i386__)
-#include <immintrin.h>
-#endif
-
+#include "kvdecode/detail/cpu.hpp"  // <immintrin.h> for _mm_pause, its warnings silenced
 #include "kvdecode/error.hpp"
 
 namespace kvdecode {
@@ -114,7 +111,7 @@ class ThreadPool {
   static constexpr int kSpins = 1 << 13;
 
   static void pause() {
-#if defined(__x86_64__) || defined(_M_X64) || defined(__i386__)
+#if KVDECODE_X86_KERNELS
     _mm_pause();
 #else
     std::this_thread::yield();

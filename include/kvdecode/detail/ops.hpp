@@ -2,18 +2,21 @@
 // raw row-major buffers and maps them with Eigen, so callers keep ownership of every byte.
 #pragma once
 
-#include <Eigen/Core>
 #include <cmath>
 #include <cstddef>
+
+#include "kvdecode/detail/cpu.hpp"
+
+// Eigen inside the intrinsics bracket of cpu.hpp: built with -march flags its kernels inline the
+// AVX-512 intrinsics, which GCC 12 reports as uninitialized (a false positive) at every use.
+KVDECODE_INTRINSICS_BEGIN
+#include <Eigen/Core>
+KVDECODE_INTRINSICS_END
 
 namespace kvdecode::detail {
 
 template <class T>
 using RowMatrix = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-template <class T>
-using MatrixMap = Eigen::Map<RowMatrix<T>, Eigen::Aligned64>;
-template <class T>
-using ConstMatrixMap = Eigen::Map<const RowMatrix<T>, Eigen::Aligned64>;
 template <class T>
 using StridedMap = Eigen::Map<RowMatrix<T>, Eigen::Unaligned, Eigen::OuterStride<>>;
 template <class T>

@@ -1,0 +1,147 @@
+// The kernel sets: which instruction-set kernels the projections and (de)quantization run with,
+// chosen once at run time from what the CPU supports, so a binary built without -march flags
+// still runs the AVX-512 kernels. All sets are compiled into every binary (GCC/Clang target
+// attributes); KVDECODE_ISA or force_kernel_set() picks another supported set.
+#pragma once
+
+#include <array>
+#include <atomic>
+#include <cstdlib>
+#include <optional>
+#include <string_view>
+
+#include "kvdecode/error.hpp"
+
+// x86 kernels need the GCC/Clang target attribute; elsewhere only the portable set exists.
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#define KVDECODE_X86_KERNELS 1
+#define KVDECODE_TARGET_AVX2 __attribute__((target("avx2,fma")))
+#define KVDECODE_TARGET_AVX512 __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl")))
+#define KVDECODE_TARGET_AVX512BF16 \
+  __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512bf16")))
+#else
+#define KVDECODE_X86_KERNELS 0
+#endif
+
+// GCC 12 reports its own intrinsics' deliberately undefined vectors (_mm512_undefined_*) as
+// uninitialized wherever they are inlined; the kernels are bracketed by these to silence it.
+#if defined(__clang__)
+#define KVDECODE_INTRINSICS_BEGIN \
+  _Pragma("clang diagnostic push") _Pragma("clang diagnostic ignored \"-Wuninitialized\"")
+#define KVDECODE_INTRINSICS_END _Pragma("clang diagnostic pop")
+#elif defined(__GNUC__)
+#define KVDECODE_INTRINSICS_BEGIN                                                      \
+  _Pragma("GCC diagnostic push") _Pragma("GCC diagnostic ignored \"-Wuninitialized\"") \
+      _Pragma("GCC diagnostic ignored \"-Wmaybe-uninitialized\"")
+#define KVDECODE_INTRINSICS_END _Pragma("GCC diagnostic pop")
+#else
+#define KVDECODE_INTRINSICS_BEGIN
+#define KVDECODE_INTRINSICS_END
+#endif
+
+#if KVDECODE_X86_KERNELS
+KVDECODE_INTRINSICS_BEGIN
+#include <immintrin.h>
+KVDECODE_INTRINSICS_END
+#endif
+
+namespace kvdecode {
+
+/// A set of kernels, each needing the instructions of the ones before it plus its own:
+/// kPortable plain C++ (and Eigen) only; kAvx2 AVX2 + FMA; kAvx512 AVX-512 F/BW/VL;
+/// kAvx512Bf16 that plus AVX512_BF16's dot product for bf16 weights.
+enum class KernelSet { kPortable, kAvx2, kAvx512, kAvx512Bf16 };
+
+inline constexpr std::array<KernelSet, 4> kKernelSets = {
+    KernelSet::kPortable, KernelSet::kAvx2, KernelSet::kAvx512, KernelSet::kAvx512Bf16};
+
+/// "portable", "avx2", "avx512", "avx512bf16": the names KVDECODE_ISA takes.
+inline constexpr const char* kernel_set_name(KernelSet s) {
+  switch (s) {
+    case KernelSet::kAvx2:
+      return "avx2";
+    case KernelSet::kAvx512:
+      return "avx512";
+    case KernelSet::kAvx512Bf16:
+      return "avx512bf16";
+    case KernelSet::kPortable:
+      break;
+  }
+  return "portable";
+}
+
+/// The set a name denotes, if any.
+inline std::optional<KernelSet> parse_kernel_set(std::string_view name) {
+  for (const KernelSet s : kKernelSets)
+    if (name == kernel_set_name(s)) return s;
+  return std::nullopt;
+}
+
+/// Whether this CPU (and OS: the features' register state is enabled) can run set s.
+inline bool cpu_supports(KernelSet s) {
+#if KVDECODE_X86_KERNELS
+  switch (s) {
+    case KernelSet::kPortable:
+      return true;
+    case KernelSet::kAvx2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case KernelSet::kAvx512:
+      return cpu_supports(KernelSet::kAvx2) && __builtin_cpu_supports("avx512f") &&
+             __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+    case KernelSet::kAvx512Bf16:
+      return cpu_supports(KernelSet::kAvx512) && __builtin_cpu_supports("avx512bf16");
+  }
+  return false;
+#else
+  return s == KernelSet::kPortable;
+#endif
+}
+
+/// The fastest set this CPU supports.
+inline KernelSet best_kernel_set() {
+  for (auto it = kKernelSets.rbegin(); it != kKernelSets.rend(); ++it)
+    if (cpu_supports(*it)) return *it;
+  return KernelSet::kPortable;
+}
+
+namespace detail {
+
+/// KVDECODE_ISA when set (an unknown name or a set the CPU lacks is an Error), else the best.
+inline KernelSet kernel_set_from_environment() {
+  const char* env = std::getenv("KVDECODE_ISA");
+  if (env == nullptr || *env == '\0') return best_kernel_set();
+  const std::optional<KernelSet> s = parse_kernel_set(env);
+  KVDECODE_CHECK(s.has_value(), "KVDECODE_ISA=", env,
+                 " names no kernel set; expected portable, avx2, avx512 or avx512bf16");
+  KVDECODE_CHECK(cpu_supports(*s), "KVDECODE_ISA=", env, ": this CPU lacks its instructions; ",
+                 "the best set it supports is ", kernel_set_name(best_kernel_set()));
+  return *s;
+}
+
+/// The process-wide choice: one value, set on first use, read once per kernel call.
+inline std::atomic<KernelSet>& kernel_set_slot() {
+  static std::atomic<KernelSet> slot{kernel_set_from_environment()};
+  return slot;
+}
+
+}  // namespace detail
+
+/// The set every kernel call runs with: KVDECODE_ISA if set, else best_kernel_set(), unless
+/// force_kernel_set() chose another. Results differ between sets only in f32 summation order.
+inline KernelSet active_kernel_set() {
+  return detail::kernel_set_slot().load(std::memory_order_relaxed);
+}
+
+/// The active set's name (for reports and logs).
+inline const char* active_kernel_set_name() { return kernel_set_name(active_kernel_set()); }
+
+/// Makes every later kernel call use s, process-wide (tests, benchmarks comparing sets). Throws
+/// Error, changing nothing, if this CPU cannot run s. A call already running keeps its set: each
+/// projection reads the set once, so one region never mixes two.
+inline void force_kernel_set(KernelSet s) {
+  KVDECODE_CHECK(cpu_supports(s), "force_kernel_set: this CPU cannot run the ", kernel_set_name(s),
+                 " kernels; the best set it supports is ", kernel_set_name(best_kernel_set()));
+  detail::kernel_set_slot().store(s, std::memory_order_relaxed);
+}
+
+}  // namespace kvdecode

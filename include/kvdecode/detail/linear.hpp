@@ -1,0 +1,104 @@
+// linear_group: the projections of one forward step, y [n][out] = x [n][in] · w [out][in]ᵀ for
+// each weight matrix sharing an input, scheduled onto a ThreadPool with the kernel set chosen
+// once per call. The model, the tests and the benchmarks all project through it.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cstddef>
+#include <initializer_list>
+#include <type_traits>
+
+#include "kvdecode/bf16.hpp"
+#include "kvdecode/detail/cpu.hpp"
+#include "kvdecode/detail/gemm.hpp"
+#include "kvdecode/detail/gemv.hpp"
+#include "kvdecode/thread_pool.hpp"
+
+namespace kvdecode::detail {
+
+/// One output of a projection region: y [n][out] = x [n][in] · w [out][in]ᵀ.
+template <class T, class W>
+struct Projection {
+  T* y;
+  const W* w;
+  std::size_t out;
+};
+
+/// The scratch a multi-token projection needs (none for one token).
+template <class T>
+struct LinearScratch {
+  T* panels = nullptr;           // [threads][kPanelRows][in] widened bf16 weights (W ≠ T)
+  std::size_t panel_stride = 0;  // elements between two threads' panels
+  T* x_rounded = nullptr;        // [n][in] x rounded to bf16 (W ≠ T)
+};
+
+/// Below this many weights a projection runs on one thread: waking the pool (~1-2 µs) would
+/// cost more than the ~1 µs of work it shares out.
+inline constexpr std::size_t kMinParallelWeights = std::size_t{1} << 15;
+
+/// Runs projections that share their input x [n][in] in one parallel region of pool, so one
+/// wake-up covers q, k and v (or gate and up). Small projections stay on the caller.
+/// One token (GEMV, memory bound): threads claim chunks of ~64 KiB of weight rows from a
+/// shared counter, so a thread the OS delays holds the others up by one chunk at most.
+/// Several tokens (GEMM, compute bound): a static split into one slice per thread (slices of
+/// 16 rows); up to kMaxFewTokens tokens with a gemm_few kernel, each weight row is streamed once
+/// for all of them and summed as the GEMV sums it; otherwise Eigen's GEMM (gemm_cols), which
+/// packs the input once per call and wants large slices. With bf16 weights and several tokens,
+/// x is rounded once into scratch.x_rounded for every thread (the rule in gemv.hpp).
+template <class T, class W>
+void linear_group(std::initializer_list<Projection<T, W>> ps, const T* x, std::size_t n,
+                  std::size_t in, ThreadPool* pool, const LinearScratch<T>& scratch,
+                  KernelSet ks = active_kernel_set()) {
+  std::size_t weights = 0;
+  for (const Projection<T, W>& p : ps) weights += p.out * in;
+  ThreadPool* const threads = weights >= kMinParallelWeights ? pool : nullptr;
+  if (n == 1 && threads != nullptr && threads->size() > 1) {
+    const std::size_t chunk =
+        std::max<std::size_t>(16, (std::size_t{1} << 16) / (in * sizeof(W)) / 16 * 16);
+    std::size_t n_chunks = 0;
+    for (const Projection<T, W>& p : ps) n_chunks += (p.out + chunk - 1) / chunk;
+    std::atomic<std::size_t> next{0};
+    threads->run([&](std::size_t) {
+      for (std::size_t c = next.fetch_add(1, std::memory_order_relaxed); c < n_chunks;
+           c = next.fetch_add(1, std::memory_order_relaxed)) {
+        std::size_t first = c;  // chunk index → (projection, rows)
+        for (const Projection<T, W>& p : ps) {
+          const std::size_t here = (p.out + chunk - 1) / chunk;
+          if (first < here) {
+            const std::size_t r0 = first * chunk;
+            gemv_rows(ks, p.y, p.w, x, r0, std::min(p.out, r0 + chunk), in);
+            break;
+          }
+          first -= here;
+        }
+      }
+    });
+    return;
+  }
+  const T* xg = x;  // the GEMMs' input
+  if constexpr (!std::is_same_v<T, W>) {
+    if (n > 1) {
+      round_to_bf16(x, scratch.x_rounded, n * in);
+      xg = scratch.x_rounded;
+    }
+  }
+  const bool few = n <= kMaxFewTokens && has_gemm_few<T, W>(ks);
+  parallel_run(threads, [&](std::size_t t, std::size_t nt) {
+    for (const Projection<T, W>& p : ps) {
+      const auto [r0, r1] = ThreadPool::share(p.out, nt, t, 16);
+      if (r1 <= r0) continue;
+      T* const panel =
+          scratch.panels == nullptr ? nullptr : scratch.panels + t * scratch.panel_stride;
+      if (n == 1) {
+        gemv_rows(ks, p.y, p.w, x, r0, r1, in);
+      } else if (few) {
+        gemm_few(ks, p.y, xg, p.w, n, in, p.out, r0, r1, panel);
+      } else {
+        gemm_cols(p.y, xg, p.w, n, in, p.out, r0, r1, panel);
+      }
+    }
+  });
+}
+
+}  // namespace kvdecode::detail

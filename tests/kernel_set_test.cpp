@@ -1,0 +1,182 @@
+// The model under each kernel set this CPU supports (forced process-wide, restored after; a set
+// the CPU lacks is skipped by name): f32 decode, few-token and many-token prefill against the
+// no-cache reference; bf16 weights give the same logits whichever path runs a token (one chunk,
+// chunks of one, a batched decode step), because every path rounds x to bf16 the same way.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kvdecode/kvdecode.hpp"
+#include "test_util.hpp"
+
+namespace kvdecode::testing_util {
+namespace {
+
+using Tokens = std::vector<std::int32_t>;
+
+/// Forces a kernel set for one test and restores the previous one.
+class ForcedKernelSet {
+ public:
+  explicit ForcedKernelSet(KernelSet s) : before_(active_kernel_set()) { force_kernel_set(s); }
+  ~ForcedKernelSet() { force_kernel_set(before_); }
+  ForcedKernelSet(const ForcedKernelSet&) = delete;
+  ForcedKernelSet& operator=(const ForcedKernelSet&) = delete;
+
+ private:
+  KernelSet before_;
+};
+
+class ModelKernelSetTest : public ::testing::TestWithParam<KernelSet> {
+ protected:
+  void SetUp() override {
+    if (!cpu_supports(GetParam()))
+      GTEST_SKIP() << "this CPU cannot run the " << kernel_set_name(GetParam()) << " kernels";
+    forced_ = std::make_unique<ForcedKernelSet>(GetParam());
+  }
+  void TearDown() override { forced_.reset(); }
+  std::unique_ptr<ForcedKernelSet> forced_;
+};
+
+/// Odd sizes, so every kernel runs its tails: dim 72 (head size 18), hidden 100, vocab 61.
+ModelConfig odd_config() {
+  ModelConfig c;
+  c.dim = 72;
+  c.hidden_dim = 100;
+  c.n_layers = 2;
+  c.n_heads = 4;
+  c.n_kv_heads = 2;
+  c.vocab_size = 61;
+  c.seq_len = 40;
+  c.shared_classifier = false;
+  return c;
+}
+
+/// The f32 bound of the other cached-vs-reference tests.
+double f32_bound(double ref) { return 1e-5 * (1.0 + std::abs(ref)); }
+
+// Prefill of 18 tokens in one chunk (gemm_cols), then 7 in chunks of 4 and 3 (gemm_few), then
+// 5 decode steps (GEMV): every position's logits within the f32 bound of the reference.
+TEST_P(ModelKernelSetTest, F32DecodeAndPrefillMatchReference) {
+  const ModelConfig cfg = odd_config();
+  const Model<float> model(random_weights<float>(cfg, 31));
+  const auto vocab = static_cast<std::size_t>(cfg.vocab_size);
+  const Tokens tokens = random_tokens(30, cfg.vocab_size, 5);
+  const std::vector<float> ref = model.forward_reference(tokens);
+  ContiguousStore<float> cache(cfg);
+  std::vector<float> got(tokens.size() * vocab);
+  Activations<float> big(cfg, 18);
+  model.prefill(std::span(tokens).first(18), cache, big, std::span(got).first(18 * vocab));
+  Activations<float> few(cfg, 4);
+  model.prefill(std::span(tokens).subspan(18, 7), cache, few,
+                std::span(got).subspan(18 * vocab, 7 * vocab));
+  Activations<float> one(cfg);
+  for (std::size_t p = 25; p < tokens.size(); ++p) {
+    const auto logits = model.decode(tokens[p], cache, one);
+    std::copy(logits.begin(), logits.end(), got.begin() + static_cast<std::ptrdiff_t>(p * vocab));
+  }
+  for (std::size_t i = 0; i < got.size(); ++i)
+    ASSERT_LE(std::abs(static_cast<double>(got[i]) - ref[i]), f32_bound(ref[i]))
+        << kernel_set_name(GetParam()) << ": position " << i / vocab << " logit " << i % vocab;
+}
+
+/// All logits of prefilling `tokens` into an empty cache in chunks of `chunk` tokens.
+template <class W>
+std::vector<float> prefill_logits(const Model<float, W>& model, const Tokens& tokens,
+                                  std::size_t chunk) {
+  const ModelConfig& cfg = model.config();
+  ContiguousStore<float> cache(cfg);
+  Activations<float> act(cfg, chunk);
+  std::vector<float> all(tokens.size() * static_cast<std::size_t>(cfg.vocab_size));
+  model.prefill(tokens, cache, act, all);
+  return all;
+}
+
+/// Relative RMS difference of two logit sets, ‖a − b‖₂ / ‖b‖₂.
+double relative_rms(const std::vector<float>& a, const std::vector<float>& b) {
+  double d = 0, n = 0;
+  for (std::size_t i = 0; i < b.size(); ++i) {
+    d += (static_cast<double>(a[i]) - b[i]) * (static_cast<double>(a[i]) - b[i]);
+    n += static_cast<double>(b[i]) * b[i];
+  }
+  return std::sqrt(d / n);
+}
+
+// bf16 weights: every path rounds x to bf16 at each weight product, so one chunk (gemm_cols),
+// chunks of one (GEMV) and of five (gemm_few; attention over five queries) differ only in f32
+// summation order, and agree within the f32 bound of the reference tests... except that bf16
+// rounding is discontinuous: where an order difference moves an input across a rounding tie,
+// two correct paths take neighbouring bf16 values, and the logits move by up to ~1/3 of what
+// breaking the rule does (measured over 20 models). That happens on ~30 % of these small random
+// models. A path that breaks the rule (x kept in f32, truncated, ties rounded away) differs at
+// every input, so it is outside the f32 bound on every model: the test asks that at least half
+// of 12 models agree within the f32 bound at every logit, and that on every model the paths
+// differ by less than half of what keeping x in f32 does (the same weights as an f32 model).
+TEST_P(ModelKernelSetTest, Bf16ChunkingAgreesWithinF32BoundAwayFromRoundingTies) {
+  const ModelConfig cfg = odd_config();
+  const Tokens tokens = random_tokens(20, cfg.vocab_size, 8);
+  std::size_t within_bound = 0;
+  for (std::uint64_t seed = 70; seed < 82; ++seed) {
+    const Model<float, bf16> model(convert_weights<bf16>(random_weights<float>(cfg, seed)));
+    const Model<float> widened(convert_weights<float>(model.weights()));
+    const std::vector<float> whole = prefill_logits(model, tokens, 20);  // gemm_cols
+    const std::vector<float> ones = prefill_logits(model, tokens, 1);    // GEMV
+    const std::vector<float> fives = prefill_logits(model, tokens, 5);   // gemm_few
+    const std::vector<float> f32_x = prefill_logits(widened, tokens, 20);
+    bool agree = true;
+    for (std::size_t i = 0; i < whole.size(); ++i)
+      agree = agree && std::abs(ones[i] - whole[i]) <= f32_bound(whole[i]) &&
+              std::abs(fives[i] - whole[i]) <= f32_bound(whole[i]);
+    within_bound += agree ? 1 : 0;
+    const double rule = relative_rms(f32_x, whole);
+    EXPECT_GT(rule, 1e-3) << "seed " << seed << ": x in f32 should be far outside the bound";
+    EXPECT_LT(relative_rms(ones, whole), rule / 2) << "seed " << seed << ": chunks of 1";
+    EXPECT_LT(relative_rms(fives, whole), rule / 2) << "seed " << seed << ": chunks of 5";
+  }
+  EXPECT_GE(within_bound, 6u) << "models on which every path agreed within the f32 bound";
+}
+
+// A batched decode step runs each token's GEMV arithmetic (gemm_few) and its own attention, so
+// with bf16 weights it equals decode() bit for bit, whatever the rounding ties.
+TEST_P(ModelKernelSetTest, Bf16BatchedDecodeEqualsDecodeExactly) {
+  const ModelConfig cfg = odd_config();
+  const Model<float, bf16> model(convert_weights<bf16>(random_weights<float>(cfg, 77)));
+  const auto vocab = static_cast<std::size_t>(cfg.vocab_size);
+  std::vector<ContiguousStore<float>> stores, singles;
+  Activations<float> one(cfg), batch(cfg, 1, 0, nullptr, 3);
+  Activations<float> prompt_act(cfg, 8);
+  for (std::size_t b = 0; b < 3; ++b) {
+    stores.emplace_back(cfg);
+    singles.emplace_back(cfg);
+    const Tokens prompt = random_tokens(3 + 2 * b, cfg.vocab_size, 40 + b);
+    model.prefill(prompt, stores.back(), prompt_act);
+    model.prefill(prompt, singles.back(), prompt_act);
+  }
+  std::vector<ContiguousStore<float>*> ptrs = {&stores[0], &stores[1], &stores[2]};
+  for (std::size_t step = 0; step < 4; ++step) {
+    const Tokens next = random_tokens(3, cfg.vocab_size, 100 + step);
+    const std::vector<float> batched = [&] {
+      const auto l = model.decode_batch(std::span<const std::int32_t>(next),
+                                        std::span<ContiguousStore<float>* const>(ptrs), batch);
+      return std::vector<float>(l.begin(), l.end());
+    }();
+    for (std::size_t b = 0; b < 3; ++b) {
+      const auto single = model.decode(next[b], singles[b], one);
+      for (std::size_t i = 0; i < vocab; ++i)
+        ASSERT_EQ(batched[b * vocab + i], single[i])
+            << "step " << step << " sequence " << b << " logit " << i;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(EverySet, ModelKernelSetTest, ::testing::ValuesIn(kKernelSets),
+                         [](const ::testing::TestParamInfo<KernelSet>& set) {
+                           return std::string(kernel_set_name(set.param));
+                         });
+
+}  // namespace
+}  // namespace kvdecode::testing_util
