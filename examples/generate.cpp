@@ -247,12 +247,6 @@ decltype(auto) with_store_type(const Options& o, F&& f) {
   return f(std::type_identity<ContiguousStore<float>>{});
 }
 
-/// Whether io/cache_file.hpp can save and restore store S.
-template <class S>
-constexpr bool kCacheFileHolds = requires {
-  kvdecode::CacheFileStore<S>::kKind;
-};
-
 /// Whether `path` can be written: an existing writable file, or a new one in a writable folder.
 bool writable(const std::filesystem::path& path) {
   namespace fs = std::filesystem;
@@ -282,17 +276,8 @@ void check(const Options& o) {
     throw UsageError{"--no-cache recomputes everything; it cannot be combined with --window"};
   if (o.window > 0 && o.ctx > 0)
     throw UsageError{"--ctx-size bounds a whole-history cache; --window bounds its own memory"};
-  const bool cache_file = !o.save_cache.empty() || !o.load_cache.empty();
-  if (cache_file && o.no_cache)
+  if ((!o.save_cache.empty() || !o.load_cache.empty()) && o.no_cache)
     throw UsageError{"--save-cache and --load-cache cannot be combined with --no-cache"};
-  if (cache_file) {
-    with_store_type(o, [&]<class S>(std::type_identity<S>) {
-      if constexpr (!kCacheFileHolds<S>)
-        throw UsageError{
-            "--save-cache and --load-cache: the cache file format does not hold this store yet "
-            "(it holds --kv f32 without --window)"};
-    });
-  }
   if (!o.save_cache.empty() && !writable(o.save_cache))
     throw UsageError{"--save-cache: cannot write '" + o.save_cache + "'"};
 }
@@ -503,20 +488,14 @@ int generate_with(const Run& run, const kvdecode::Model<float, W>& model, S& cac
   std::optional<ModelFingerprint> fingerprint;
   std::size_t from_file = 0, in_file = 0;
   double load_cache_ms = 0;
-  if constexpr (kCacheFileHolds<S>) {
-    if (!o.load_cache.empty() || !o.save_cache.empty()) fingerprint = model_fingerprint(model);
-    if (!o.load_cache.empty()) {
-      // The longest common prefix of the saved tokens and the prompt, at most all but the
-      // prompt's last token (its logits start the generation).
-      const auto t0 = Clock::now();
-      restore_cache(*fingerprint, cache, o.load_cache);
-      in_file = cache.size();
-      const std::span<const std::int32_t> saved = cache.tokens();
-      const std::size_t limit = std::min(saved.size(), prompt.size() - 1);
-      while (from_file < limit && saved[from_file] == prompt[from_file]) ++from_file;
-      cache.truncate(from_file);
-      load_cache_ms = ms_since(t0);
-    }
+  if (!o.load_cache.empty() || !o.save_cache.empty()) fingerprint = model_fingerprint(model);
+  if (!o.load_cache.empty()) {
+    // The longest common prefix of the saved tokens and the prompt, at most all but the
+    // prompt's last token (its logits start the generation).
+    const auto t0 = Clock::now();
+    in_file = read_cache_file_header(o.load_cache).n_tokens;
+    from_file = restore_longest_prefix(*fingerprint, cache, prompt, o.load_cache);
+    load_cache_ms = ms_since(t0);
   }
 
   // Echo the prompt: every piece after BOS, whole UTF-8 characters only.
@@ -529,12 +508,10 @@ int generate_with(const Run& run, const kvdecode::Model<float, W>& model, S& cac
   double save_ms = 0;
   std::size_t saved = 0;
   const auto after_prompt = [&] {
-    if constexpr (kCacheFileHolds<S>) {
-      if (!o.save_cache.empty()) {
-        const auto t0 = Clock::now();
-        save_cache(*fingerprint, cache, o.save_cache);
-        save_ms = ms_since(t0);
-      }
+    if (!o.save_cache.empty()) {
+      const auto t0 = Clock::now();
+      save_cache(*fingerprint, cache, o.save_cache);
+      save_ms = ms_since(t0);
     }
     saved = cache.size();
     counters = WorkCounters{};

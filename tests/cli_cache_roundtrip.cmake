@@ -7,11 +7,11 @@
 #      cache truncated), and the text is that of a run without a cache file;
 #   5. a truncated file and a flipped payload byte each exit with code 1 and one line on stderr
 #      naming the file and what is wrong.
-# Inputs: GENERATE (the executable), WORKDIR (tests/data/llama2c-tiny), PROMPT, OUT (a scratch
-# folder).
+# Inputs: GENERATE (the executable), WORKDIR (tests/data/llama2c-tiny), PROMPT, KV (the store
+# flags, e.g. --kv;int8), OUT (a scratch folder).
 file(REMOVE_RECURSE "${OUT}")
 file(MAKE_DIRECTORY "${OUT}")
-set(base "${GENERATE}" --model model.bin --tokenizer tokenizer.bin -n 40 --temperature 0)
+set(base "${GENERATE}" --model model.bin --tokenizer tokenizer.bin -n 40 --temperature 0 ${KV})
 
 function(run_generate rc_expected out_var err_var)
   execute_process(COMMAND ${base} ${ARGN} WORKING_DIRECTORY "${WORKDIR}"
@@ -109,18 +109,23 @@ endfunction()
 find_program(HEAD head)
 find_program(DD dd)
 if(HEAD AND DD)
-  execute_process(COMMAND ${HEAD} -c 1000 "${cache}" OUTPUT_FILE "${OUT}/truncated.kvc")
+  # Offsets from the file's size, which depends on the store: a cut inside the payload, and a
+  # payload byte well past the header.
+  file(SIZE "${cache}" size)
+  math(EXPR cut "${size} - 7")
+  math(EXPR at "${size} - ${size} / 3")
+  execute_process(COMMAND ${HEAD} -c ${cut} "${cache}" OUTPUT_FILE "${OUT}/truncated.kvc")
   expect_refused("truncated file" "truncated" --prompt "${PROMPT}"
                  --load-cache "${OUT}/truncated.kvc")
-  # One payload byte (past the 184-byte header) replaced: the payload checksum catches it.
+  # One payload byte replaced: the payload checksum catches it.
   file(COPY_FILE "${cache}" "${OUT}/flipped.kvc")
-  file(READ "${cache}" old OFFSET 4000 LIMIT 1 HEX)
+  file(READ "${cache}" old OFFSET ${at} LIMIT 1 HEX)
   if(old STREQUAL "5a")
     file(WRITE "${OUT}/byte.txt" "Y")
   else()
     file(WRITE "${OUT}/byte.txt" "Z")
   endif()
-  execute_process(COMMAND ${DD} if=${OUT}/byte.txt of=${OUT}/flipped.kvc bs=1 seek=4000
+  execute_process(COMMAND ${DD} if=${OUT}/byte.txt of=${OUT}/flipped.kvc bs=1 seek=${at}
                           conv=notrunc status=none)
   expect_refused("flipped payload byte" "corrupted" --prompt "${PROMPT}"
                  --load-cache "${OUT}/flipped.kvc")
