@@ -412,25 +412,25 @@ using kvdecode::Q4Store;
 using kvdecode::WindowStore;
 
 /// What the store's memory_bytes() hold.
+/// What the report says of a store, from its description: its name, the options that shape it,
+/// and what its memory_bytes() hold.
+template <class S>
+std::string describe(const S& store) {
+  const auto o = store.options();
+  std::string s(S::kName);
+  if constexpr (requires { o.window; })
+    s += " " + std::to_string(o.window) + " + " + std::to_string(o.sinks) + " sinks";
+  if constexpr (requires { o.group; }) s += ", key groups of " + std::to_string(o.group);
+  if constexpr (requires { o.block_size; }) s += ", blocks of " + std::to_string(o.block_size);
+  return s;
+}
 template <class S>
 std::string reserved_for(const S& store) {
+  const auto o = store.options();
+  if constexpr (requires { o.window; })
+    return std::to_string(o.sinks + o.window - 1 + o.max_chunk) +
+           " rows (S + W - 1 + chunk), whatever the length";
   return std::to_string(store.capacity()) + " positions";
-}
-std::string reserved_for(const WindowStore<float>& s) {
-  return std::to_string(s.sinks() + s.window() - 1 + s.max_chunk()) +
-         " rows (S + W - 1 + chunk), whatever the length";
-}
-std::string reserved_for(const PagedStore<float>& s) {
-  return std::to_string(s.size()) + " positions held (blocks are taken as the sequence grows)";
-}
-
-std::string describe(const ContiguousStore<float>&) { return "f32 (ContiguousStore)"; }
-std::string describe(const Int8Store<float>&) { return "int8 (Int8Store, f32 scale per row)"; }
-std::string describe(const Q4Store<float>&) { return "q4 (Q4Store, key groups of 64)"; }
-std::string describe(const PagedStore<float>&) { return "f32 paged (PagedStore on a BlockPool)"; }
-std::string describe(const WindowStore<float>& s) {
-  return "f32 window " + std::to_string(s.window()) + " + " + std::to_string(s.sinks()) +
-         " sinks (WindowStore, streaming)";
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -548,10 +548,21 @@ int generate_with(const Run& run, const kvdecode::Model<float, W>& model, S& cac
   std::fprintf(out, "kernels            %s\n", active_kernel_set_name());
   std::fprintf(out, "KV store           %s, %zu bytes reserved for %s\n", describe(cache).c_str(),
                cache.memory_bytes(), reserved_for(cache).c_str());
-  const double per_position = kv_bytes_per_position(cache, cfg);
-  const double f32_per_position = 2.0 * static_cast<double>(cfg.n_layers * cfg.kv_dim()) * 4;
-  std::fprintf(out, "                   %.1f bytes per position, %.1f %% of f32\n", per_position,
-               100.0 * per_position / f32_per_position);
+  {
+    // The store's bytes against the f32 cache, per position and for a whole seq_len context.
+    const MemoryPlanner<S> plan(cfg, cache.options());
+    const MemoryPlanner<ContiguousStore<float>> f32(cfg);
+    const auto seq_len = static_cast<std::uint64_t>(cfg.seq_len);
+    std::fprintf(out,
+                 "                   %.1f bytes per position, %.1f %% of f32; %llu fixed bytes; "
+                 "%.1f %% of f32 at seq_len %llu\n",
+                 plan.bytes_per_position(),
+                 100.0 * plan.bytes_per_position() / f32.bytes_per_position(),
+                 static_cast<unsigned long long>(plan.fixed_bytes()),
+                 100.0 * static_cast<double>(plan.kv_bytes(seq_len)) /
+                     static_cast<double>(f32.kv_bytes(seq_len)),
+                 static_cast<unsigned long long>(seq_len));
+  }
   std::fprintf(out, "mode               %s, %zu thread(s), prefill chunk %zu\n",
                o.no_cache ? "no cache (full recompute per token)" : "KV cache",
                act.pool == nullptr ? std::size_t{1} : act.pool->size(), act.max_tokens);
@@ -681,33 +692,30 @@ int with_store(const Run& run, const kvdecode::Model<float, W>& model, kvdecode:
     return o.interactive ? chat_with(run, model, store, pool, chunk)
                          : generate_with(run, model, store, pool, chunk);
   };
+  if (o.window > 0) {
+    const std::size_t sinks = o.sinks.value_or(4);
+    if (o.window > seq_len || sinks > seq_len - o.window)
+      throw cli::UsageError{"--sinks + --window = " + std::to_string(sinks + o.window) +
+                            " exceeds the model's seq_len " + std::to_string(seq_len)};
+    // No prefill chunk is longer than S + W (generate() feeds the rest of a longer prompt one
+    // token at a time), and the ring's size grows with the chunk.
+    chunk = std::min(chunk, sinks + o.window);
+  }
   return with_store_type(o, [&]<class S>(std::type_identity<S>) -> int {
-    if constexpr (std::is_same_v<S, WindowStore<float>>) {
-      const std::size_t sinks = o.sinks.value_or(4);
-      if (o.window > seq_len || sinks > seq_len - o.window)
-        throw cli::UsageError{"--sinks + --window = " + std::to_string(sinks + o.window) +
-                              " exceeds the model's seq_len " + std::to_string(seq_len)};
-      WindowOptions wo;
-      wo.window = o.window;
-      wo.sinks = sinks;
-      wo.policy = WindowPolicy::kStreaming;
-      // No prefill chunk is longer than S + W (generate() feeds the rest of a longer prompt
-      // one token at a time), and the ring's size grows with the chunk.
-      chunk = std::min(chunk, sinks + o.window);
-      wo.max_chunk = chunk;
+    // The store's options from the flags, by what the options hold (not by the store's type).
+    typename S::Options so{};
+    so.capacity = ctx;
+    if constexpr (requires { so.window; }) {
+      so.window = o.window;
+      so.sinks = o.sinks.value_or(4);
+      so.policy = WindowPolicy::kStreaming;
+      so.max_chunk = chunk;
       // No length limit: only the token ids grow (4 bytes a position), never reserved ahead.
-      wo.capacity = kUnboundedPositions;
-      WindowStore<float> store(cfg, wo);
-      return go(store);
-    } else if constexpr (std::is_same_v<S, PagedStore<float>>) {
-      const std::size_t blocks = (ctx + o.block_size - 1) / o.block_size;
-      BlockPool<float> blocks_pool(cfg, blocks, o.block_size);
-      PagedStore<float> store(blocks_pool);
-      return go(store);
-    } else {
-      S store(cfg, ctx);
-      return go(store);
+      so.capacity = kUnboundedPositions;
     }
+    if constexpr (requires { so.block_size; }) so.block_size = o.block_size;
+    S store(cfg, so);
+    return go(store);
   });
 }
 

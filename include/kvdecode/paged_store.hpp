@@ -7,6 +7,7 @@
 #include <cassert>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <string_view>
 #include <utility>
@@ -62,11 +63,16 @@ class PagedStore {
 
   PagedStore() = default;
   /// An empty sequence on pool.
-  explicit PagedStore(BlockPool<T>& pool) : pool_(&pool), id_(pool.new_sequence_id()) {
-    const std::size_t bs = pool.block_size();
-    table_.reserve((pool.max_seq_len() + bs - 1) / bs);
-    prefixes_.reserve(pool.max_seq_len() / bs);
-    tokens_.reserve(pool.max_seq_len());
+  explicit PagedStore(BlockPool<T>& pool) { attach(pool); }
+  /// An empty sequence on a pool of its own, with the blocks for options.capacity positions
+  /// (0 = cfg.seq_len): a paged store built like every other store. Its forks share that pool
+  /// and must not outlive it.
+  PagedStore(const ModelConfig& cfg, const Options& options)
+      : own_pool_(std::make_unique<BlockPool<T>>(
+            cfg, blocks_for(cfg, options), options.block_size,
+            BlockPoolOptions{.max_seq_len = static_cast<std::size_t>(
+                                 detail::capacity_or_seq_len(options.capacity, cfg))})) {
+    attach(*own_pool_);
   }
 
   /// A request: a sequence already holding the longest cached prefix of whole blocks of
@@ -87,7 +93,8 @@ class PagedStore {
   }
 
   PagedStore(PagedStore&& o) noexcept
-      : pool_(std::exchange(o.pool_, nullptr)),
+      : own_pool_(std::move(o.own_pool_)),
+        pool_(std::exchange(o.pool_, nullptr)),
         id_(o.id_),
         table_(std::move(o.table_)),
         prefixes_(std::move(o.prefixes_)),
@@ -100,6 +107,7 @@ class PagedStore {
     if (this != &o) {
       cancel_append();
       release();
+      own_pool_ = std::move(o.own_pool_);
       pool_ = std::exchange(o.pool_, nullptr);
       id_ = o.id_;
       table_ = std::move(o.table_);
@@ -128,8 +136,10 @@ class PagedStore {
   std::size_t n_layers() const { return pool_ == nullptr ? 0 : pool_->n_layers(); }
   std::size_t n_kv_heads() const { return pool_ == nullptr ? 0 : pool_->n_kv_heads(); }
   std::size_t head_size() const { return pool_ == nullptr ? 0 : pool_->head_size(); }
-  /// Bytes of the blocks this sequence holds (shared blocks count in full for each holder).
+  /// Bytes of the blocks this sequence holds (shared blocks count in full for each holder), or
+  /// of its own pool when it has one (all reserved up front).
   std::size_t memory_bytes() const {
+    if (own_pool_ != nullptr) return own_pool_->memory_bytes();
     return pool_ == nullptr ? 0 : table_.size() * pool_->block_bytes();
   }
   Options options() const {
@@ -517,6 +527,23 @@ class PagedStore {
  private:
   static constexpr std::size_t kNone = BlockPool<T>::kNone;
 
+  /// Blocks of a pool of one sequence of options.capacity positions (options checked).
+  static std::size_t blocks_for(const ModelConfig& cfg, const Options& options) {
+    (void)memory_bytes_for(cfg, options);  // throws Error for a block size of 0
+    const auto cap = static_cast<std::size_t>(detail::capacity_or_seq_len(options.capacity, cfg));
+    return std::max<std::size_t>(1, (cap + options.block_size - 1) / options.block_size);
+  }
+
+  void attach(BlockPool<T>& pool) {
+    pool_ = &pool;
+    id_ = pool.new_sequence_id();
+    const std::size_t bs = pool.block_size();
+    table_.reserve((pool.max_seq_len() + bs - 1) / bs);
+    prefixes_.reserve(pool.max_seq_len() / bs);
+    tokens_.reserve(pool.max_seq_len());
+  }
+
+  std::unique_ptr<BlockPool<T>> own_pool_;  // the pool of a store built from Options, if any
   BlockPool<T>* pool_ = nullptr;
   std::uint64_t id_ = 0;
   std::vector<std::size_t> table_;  // [ceil((size + pending) / block_size)] block of each page
