@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "cache_kinds.hpp"
 #include "kvdecode/io/cache_file.hpp"
 #include "kvdecode/io/checkpoint.hpp"
 #include "kvdecode/kvdecode.hpp"
@@ -104,22 +105,28 @@ int main(int argc, char** argv) {
   write_text(root / "encode" / "byte_piece.txt", "<0x41> <s> </s>");
   write_text(root / "encode" / "empty.txt", "");
 
-  // Cache files for the target's model: 0, 3 and 8 (full) positions; flag byte 0 and 1.
+  // Cache files for the target's model, from every store kind (cache_kinds.hpp): 0, 3 and 8
+  // (full) positions; flag byte 2·kind and 2·kind + 1 (checksums recomputed by the target).
   const kvdecode::Model<float> model(kvdecode::fuzz::seed_weights());
-  kvdecode::Activations<float> act(model.config(), 4);
   const fs::path cache = root / "cache_file" / "tmp.kvc";
-  for (const std::size_t len : {0u, 3u, 8u}) {
-    kvdecode::ContiguousStore<float> s(model.config());
-    const std::vector<std::int32_t> tokens = {1, 4, 7, 10, 0, 2, 3, 5};
-    if (len > 0) model.prefill(std::span<const std::int32_t>(tokens).first(len), s, act);
-    kvdecode::save_cache(model, s, cache);
-    for (const int flag : {0, 1}) {
-      std::vector<unsigned char> bytes = {static_cast<unsigned char>(flag)};
-      const auto body = read_file(cache);
-      bytes.insert(bytes.end(), body.begin(), body.end());
-      write_file(root / "cache_file" /
-                     ("tokens" + std::to_string(len) + "_flag" + std::to_string(flag) + ".bin"),
-                 bytes);
+  const std::vector<std::int32_t> tokens = {1, 4, 7, 10, 0, 2, 3, 5};
+  for (int kind = 0; kind < kvdecode::fuzz::kCacheKinds; ++kind) {
+    for (const std::size_t len : {0u, 3u, 8u}) {
+      kvdecode::fuzz::with_cache_store(kind, model.config(), [&](auto& s) {
+        kvdecode::Activations<float> act(model.config(), kvdecode::fuzz::kMaxTokens,
+                                         s.block_scratch_size());
+        kvdecode::fuzz::feed(model, s, act, std::span<const std::int32_t>(tokens).first(len));
+        kvdecode::save_cache(model, s, cache);
+      });
+      for (const int flag : {0, 1}) {
+        std::vector<unsigned char> bytes = {static_cast<unsigned char>(2 * kind + flag)};
+        const auto body = read_file(cache);
+        bytes.insert(bytes.end(), body.begin(), body.end());
+        write_file(root / "cache_file" /
+                       (std::string(kvdecode::fuzz::kCacheKindNames[kind]) + "_tokens" +
+                        std::to_string(len) + "_flag" + std::to_string(flag) + ".bin"),
+                   bytes);
+      }
     }
   }
   fs::remove(cache);

@@ -36,6 +36,11 @@
 #ifndef XXH_INLINE_ALL
 #define XXH_INLINE_ALL
 #endif
+// GCC 12 warns (-Wmaybe-uninitialized, inside its own AVX-512 intrinsics) on xxHash 0.8.1's
+// AVX-512 loop, which no pragma here silences; its AVX2 loop (XXH_VECTOR 2 = XXH_AVX2) is clean.
+#if defined(__GNUC__) && !defined(__clang__) && defined(__AVX512F__) && !defined(XXH_VECTOR)
+#define XXH_VECTOR 2
+#endif
 #include <xxhash.h>
 
 #include "kvdecode/block_pool.hpp"
