@@ -46,7 +46,7 @@ struct StoreTraits<PagedStoreOf<T, BlockSize>> {
   static constexpr double kRowTolerance = 0;
   // Blocks change where the online softmax rescales; the f32 bound of the contiguous store holds.
   static constexpr double kLogitTolerance = std::is_same_v<T, float> ? 1e-5 : 1e-12;
-  static constexpr bool kFullHistory = true;
+  static std::vector<std::size_t> expected_resident(std::size_t end) { return all_indices(end); }
 };
 
 using PagedStores = ::testing::Types<PagedStoreOf<float, 16>, PagedStoreOf<double, 16>,

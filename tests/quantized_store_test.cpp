@@ -35,7 +35,7 @@ struct StoreTraits<Int8Store<T>> {
   // measures max |Δlogit| / (1 + |ref|) = 0.078, about what uniform noise of half a step in
   // the f32 cache gives (0.097 absolute); the guard is twice that.
   static constexpr double kLogitTolerance = 0.15;
-  static constexpr bool kFullHistory = true;
+  static std::vector<std::size_t> expected_resident(std::size_t end) { return all_indices(end); }
 };
 
 template <class T>
@@ -55,7 +55,7 @@ struct StoreTraits<Q4Store<T>> {
   static constexpr double kRowTolerance = (1.0 / 15 + (2.0 + 2.0 / 15) / 30) / kMinRowMax;
   // Empirical regression guard as for int8: measured 0.76 with groups of 8 on this model.
   static constexpr double kLogitTolerance = 1.5;
-  static constexpr bool kFullHistory = true;
+  static std::vector<std::size_t> expected_resident(std::size_t end) { return all_indices(end); }
 };
 
 using QuantizedStores =
