@@ -28,23 +28,27 @@
 #endif
 #endif
 
-#ifdef KVDECODE_TEST_SANITIZER_MALLOC
-#include <sanitizer/allocator_interface.h>
-#endif
-
 namespace {
 std::atomic<long> g_allocations{0};  // heap allocations so far, of any kind
 }  // namespace
 
 #ifdef KVDECODE_TEST_SANITIZER_MALLOC
 
+// Declared as in clang's <sanitizer/allocator_interface.h>, which GCC does not ship; both
+// compilers' ASan and TSan runtimes define it.
+extern "C" int __sanitizer_install_malloc_and_free_hooks(void (*malloc_hook)(const volatile void*,
+                                                                             std::size_t),
+                                                         void (*free_hook)(const volatile void*));
+
 namespace {
 void count_sanitizer_allocation(const volatile void*, std::size_t) {
   g_allocations.fetch_add(1, std::memory_order_relaxed);
 }
-// Installed before main: the sanitizer calls it for every allocation from then on.
+void ignore_sanitizer_free(const volatile void*) {}
+// Installed before main: the sanitizer calls it for every allocation from then on. (It takes
+// both hooks or neither.)
 [[maybe_unused]] const int g_hook_installed =
-    __sanitizer_install_malloc_and_free_hooks(count_sanitizer_allocation, nullptr);
+    __sanitizer_install_malloc_and_free_hooks(count_sanitizer_allocation, ignore_sanitizer_free);
 }  // namespace
 
 #else
