@@ -21,7 +21,7 @@ struct StoreTraits<ContiguousStore<T>> {
   static constexpr bool kExactRows = true;
   static constexpr double kRowTolerance = 0;
   static constexpr double kLogitTolerance = std::is_same_v<T, float> ? 1e-5 : 1e-12;
-  static constexpr bool kFullHistory = true;
+  static std::vector<std::size_t> expected_resident(std::size_t end) { return all_indices(end); }
 };
 
 using ContiguousStores = ::testing::Types<ContiguousStore<float>, ContiguousStore<double>>;

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "kvdecode/io/checkpoint.hpp"
 #include "kvdecode/kvdecode.hpp"
 #include "test_util.hpp"
 
@@ -19,6 +20,8 @@ struct Shape {
   std::int64_t dim, hidden_dim, n_layers, n_heads, n_kv_heads, vocab_size, seq_len;
   RopeStyle rope;
   bool shared;
+  double rope_theta;
+  double norm_eps;
 };
 
 ModelConfig make_config(const Shape& s) {
@@ -32,22 +35,33 @@ ModelConfig make_config(const Shape& s) {
   c.seq_len = s.seq_len;
   c.rope_style = s.rope;
   c.shared_classifier = s.shared;
+  c.rope_theta = s.rope_theta;
+  c.norm_eps = s.norm_eps;
   return c;
 }
 
 // MHA, GQA (4/2, 6/2, 8/2), MQA, both RoPE conventions, head sizes 8..64, 1..4 layers, shared
-// and separate classifiers.
+// and separate classifiers; RoPE theta from 100 to 1e6 and RMSNorm eps from 1e-6 to 0.05, so a
+// path that ignores either config field (a hard-coded 10000 or 1e-5) fails. The embedding rows'
+// mean square is 4 / dim (random_weights), so eps ≥ 1e-3 moves the first norm by ≥ 1e-3
+// relative at these widths, a hundred times the f32 bound.
 const std::vector<Shape>& shapes() {
   static const std::vector<Shape> table = {
-      {"Mha4Hs8", 32, 64, 1, 4, 4, 40, 24, RopeStyle::kAdjacentPairs, true},
-      {"Gqa4x2Hs16", 64, 96, 2, 4, 2, 50, 32, RopeStyle::kAdjacentPairs, true},
-      {"Gqa6x2Hs8HalfSplit", 48, 80, 3, 6, 2, 33, 20, RopeStyle::kHalfSplit, false},
-      {"Gqa8x2Hs16", 128, 160, 2, 8, 2, 64, 40, RopeStyle::kAdjacentPairs, false},
-      {"MqaHs32", 128, 128, 2, 4, 1, 37, 24, RopeStyle::kHalfSplit, true},
-      {"MhaHs64FourLayers", 128, 192, 4, 2, 2, 29, 18, RopeStyle::kAdjacentPairs, false},
-      {"Gqa8x2Hs64HalfSplit", 512, 256, 1, 8, 2, 31, 12, RopeStyle::kHalfSplit, true},
+      {"Mha4Hs8", 32, 64, 1, 4, 4, 40, 24, RopeStyle::kAdjacentPairs, true, 1e4, 1e-5},
+      {"Gqa4x2Hs16Theta5e5Eps1em3", 64, 96, 2, 4, 2, 50, 32, RopeStyle::kAdjacentPairs, true, 5e5,
+       1e-3},
+      {"Gqa6x2Hs8HalfSplitTheta1e6Eps1em6", 48, 80, 3, 6, 2, 33, 20, RopeStyle::kHalfSplit, false,
+       1e6, 1e-6},
+      {"Gqa8x2Hs16Theta100Eps5em2", 128, 160, 2, 8, 2, 64, 40, RopeStyle::kAdjacentPairs, false,
+       100, 5e-2},
+      {"MqaHs32Eps1em2", 128, 128, 2, 4, 1, 37, 24, RopeStyle::kHalfSplit, true, 1e4, 1e-2},
+      {"MhaHs64FourLayersTheta5e5", 128, 192, 4, 2, 2, 29, 18, RopeStyle::kAdjacentPairs, false,
+       5e5, 1e-5},
+      {"Gqa8x2Hs64HalfSplitTheta3e3Eps3em3", 512, 256, 1, 8, 2, 31, 12, RopeStyle::kHalfSplit, true,
+       3e3, 3e-3},
       // Longer than two attention tiles, so the online softmax merges tiles.
-      {"Gqa4x2LongContext", 32, 32, 1, 4, 2, 23, 600, RopeStyle::kAdjacentPairs, true},
+      {"Gqa4x2LongContextTheta1e6", 32, 32, 1, 4, 2, 23, 600, RopeStyle::kAdjacentPairs, true, 1e6,
+       1e-5},
   };
   return table;
 }
@@ -68,24 +82,32 @@ struct Bound<double> {
 template <class T>
 class CachedMatchesReference : public ::testing::TestWithParam<Shape> {};
 
+/// Decodes every position of the shape one token at a time (decode = true) or prefills them in
+/// chunks of 7 (the last one partial), comparing every position's logits with the reference.
 template <class T>
-double decode_all_and_compare(const Shape& shape) {
+double run_all_and_compare(const Shape& shape, bool decode) {
   const ModelConfig cfg = make_config(shape);
   const Model<T> model(random_weights<T>(cfg, 1234));
   const auto n = static_cast<std::size_t>(cfg.seq_len);  // fill the cache to its capacity
   const auto tokens = random_tokens(n, cfg.vocab_size, 99);
-  const std::vector<T> ref = model.forward_reference(tokens);
+  // In double over the same weights, so Δ is the cached path's rounding alone.
+  const std::vector<double> ref =
+      forward_reference(convert_weights<double>(model.weights()), tokens);
   ContiguousStore<T> cache(cfg);
-  Activations<T> act(cfg);
+  Activations<T> act(cfg, decode ? 1 : 7);
   const auto vocab = static_cast<std::size_t>(cfg.vocab_size);
+  std::vector<T> all(decode ? 0 : n * vocab);
+  if (!decode) model.prefill(tokens, cache, act, std::span<T>(all));
   double worst = 0;
   for (std::size_t p = 0; p < n; ++p) {
-    const std::span<const T> logits = model.decode(tokens[p], cache, act);
+    const std::span<const T> logits = decode ? model.decode(tokens[p], cache, act)
+                                             : std::span<const T>(all).subspan(p * vocab, vocab);
     for (std::size_t i = 0; i < vocab; ++i) {
       const double r = ref[p * vocab + i];
       const double d = std::abs(static_cast<double>(logits[i]) - r);
       worst = std::max(worst, d);
-      EXPECT_LE(d, Bound<T>::of(r)) << shape.name << " position " << p << " logit " << i;
+      EXPECT_LE(d, Bound<T>::of(r))
+          << shape.name << (decode ? " decode" : " prefill") << " position " << p << " logit " << i;
     }
   }
   EXPECT_EQ(cache.size(), n);
@@ -95,12 +117,22 @@ double decode_all_and_compare(const Shape& shape) {
 class ShapeTest : public ::testing::TestWithParam<Shape> {};
 
 TEST_P(ShapeTest, DecodeEqualsReferenceFloat) {
-  const double worst = decode_all_and_compare<float>(GetParam());
+  const double worst = run_all_and_compare<float>(GetParam(), true);
   RecordProperty("max_abs_delta", std::to_string(worst));
 }
 
 TEST_P(ShapeTest, DecodeEqualsReferenceDouble) {
-  const double worst = decode_all_and_compare<double>(GetParam());
+  const double worst = run_all_and_compare<double>(GetParam(), true);
+  RecordProperty("max_abs_delta", std::to_string(worst));
+}
+
+TEST_P(ShapeTest, ChunkedPrefillEqualsReferenceFloat) {
+  const double worst = run_all_and_compare<float>(GetParam(), false);
+  RecordProperty("max_abs_delta", std::to_string(worst));
+}
+
+TEST_P(ShapeTest, ChunkedPrefillEqualsReferenceDouble) {
+  const double worst = run_all_and_compare<double>(GetParam(), false);
   RecordProperty("max_abs_delta", std::to_string(worst));
 }
 

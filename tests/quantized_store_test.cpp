@@ -4,9 +4,11 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
 #include <memory>
 #include <vector>
 
+#include "double_forward.hpp"
 #include "kvdecode/int8_store.hpp"
 #include "kvdecode/q4_store.hpp"
 #include "store_conformance.hpp"
@@ -35,7 +37,7 @@ struct StoreTraits<Int8Store<T>> {
   // measures max |Δlogit| / (1 + |ref|) = 0.078, about what uniform noise of half a step in
   // the f32 cache gives (0.097 absolute); the guard is twice that.
   static constexpr double kLogitTolerance = 0.15;
-  static constexpr bool kFullHistory = true;
+  static std::vector<std::size_t> expected_resident(std::size_t end) { return all_indices(end); }
 };
 
 template <class T>
@@ -55,7 +57,7 @@ struct StoreTraits<Q4Store<T>> {
   static constexpr double kRowTolerance = (1.0 / 15 + (2.0 + 2.0 / 15) / 30) / kMinRowMax;
   // Empirical regression guard as for int8: measured 0.76 with groups of 8 on this model.
   static constexpr double kLogitTolerance = 1.5;
-  static constexpr bool kFullHistory = true;
+  static std::vector<std::size_t> expected_resident(std::size_t end) { return all_indices(end); }
 };
 
 using QuantizedStores =
@@ -250,6 +252,143 @@ TEST(Q4StoreTest, RowsMustBeWrittenInOrder) {
   EXPECT_THROW(s.write(0, 0, k.data(), k.data()), Error);  // no rewrites either
   s.cancel_append();
   EXPECT_THROW(Q4Store<float>(cfg, 64, 1), Error);
+}
+
+// --- Logits over the store's own K/V ------------------------------------------------------
+
+/// The rows a store returns for every kv head of a layer, cache indices [0, end), in
+/// double_step's layout [n_kv_heads][end][head_size].
+template <class Store>
+LayerKv store_rows(const Store& s, std::size_t layer, std::size_t end) {
+  const std::size_t hs = s.head_size(), heads = s.n_kv_heads();
+  LayerKv out{end, std::vector<double>(heads * end * hs), std::vector<double>(heads * end * hs)};
+  for (std::size_t h = 0; h < heads; ++h) {
+    const auto g = gather(s, layer, h, end);
+    EXPECT_EQ(g.indices, all_indices(end)) << "layer " << layer << " head " << h;
+    for (std::size_t t = 0; t < end && t < g.indices.size(); ++t)
+      for (std::size_t i = 0; i < hs; ++i) {
+        out.keys[(h * end + t) * hs + i] = static_cast<double>(g.keys[t][i]);
+        out.values[(h * end + t) * hs + i] = static_cast<double>(g.values[t][i]);
+      }
+  }
+  return out;
+}
+
+/// The store's cached decode equals a double-precision forward over the SAME dequantized K/V,
+/// read back from the store after each call (what every query of that call read: rows are
+/// quantized when written, before attention), at the f32 (or f64) rounding level: quantization
+/// error cancels, so a store that hands attention other rows than it holds for that index
+/// fails here by far more than the bound. The rows themselves are checked against the
+/// reference's own K/V within the store's quantization bound (row_bound), so a store cannot
+/// pass by holding the wrong position's rows either.
+template <class Store, class RowBound>
+void expect_logits_over_own_kv(Store& s, double tolerance, RowBound&& row_bound) {
+  using T = typename Store::Scalar;
+  const ModelConfig cfg = small_config(4, 2, 48);
+  const Model<T> model(random_weights<T>(cfg, 77));
+  const DoubleWeights dw = widen_weights(model.weights());
+  const auto tokens = random_tokens(40, cfg.vocab_size, 3);
+  const auto vocab = static_cast<std::size_t>(cfg.vocab_size);
+  const auto kv_dim = static_cast<std::size_t>(cfg.kv_dim());
+  const auto n_layers = static_cast<std::size_t>(cfg.n_layers);
+  Activations<T> act(cfg, 11, s.block_scratch_size());
+  std::vector<std::vector<double>> own_k(n_layers), own_v(n_layers);  // [layer][index × kv_dim]
+  double worst = 0;
+  const auto check = [&](std::span<const T> logits, std::size_t p) {
+    const std::vector<double> ref = double_step(
+        dw, tokens[p], p, [&](std::size_t l, std::span<const double> k, std::span<const double> v) {
+          own_k[l].insert(own_k[l].end(), k.begin(), k.end());
+          own_v[l].insert(own_v[l].end(), v.begin(), v.end());
+          return store_rows(s, l, p + 1);
+        });
+    for (std::size_t i = 0; i < vocab; ++i) {
+      const double d = std::abs(static_cast<double>(logits[i]) - ref[i]) / (1 + std::abs(ref[i]));
+      ASSERT_LE(d, tolerance) << "position " << p << " logit " << i;
+      worst = std::max(worst, d);
+    }
+  };
+  // A prefill of 11 tokens (its queries read the store as it is after the call), then decode.
+  std::vector<T> all(11 * vocab);
+  model.prefill(std::span<const std::int32_t>(tokens).first(11), s, act, std::span<T>(all));
+  for (std::size_t p = 0; p < 11; ++p) {
+    check(std::span<const T>(all).subspan(p * vocab, vocab), p);
+    if (::testing::Test::HasFatalFailure()) return;
+  }
+  for (std::size_t p = 11; p < tokens.size(); ++p) {
+    check(model.decode(tokens[p], s, act), p);
+    if (::testing::Test::HasFatalFailure()) return;
+  }
+  // The rows are the reference's own K/V, quantized.
+  const std::size_t hs = s.head_size();
+  for (std::size_t l = 0; l < n_layers; ++l)
+    for (std::size_t h = 0; h < s.n_kv_heads(); ++h) {
+      const LayerKv rows = store_rows(s, l, tokens.size());
+      for (std::size_t t = 0; t < tokens.size(); ++t)
+        for (std::size_t i = 0; i < hs; ++i) {
+          const double k = own_k[l][t * kv_dim + h * hs + i];
+          const double v = own_v[l][t * kv_dim + h * hs + i];
+          ASSERT_LE(std::abs(rows.keys[(h * tokens.size() + t) * hs + i] - k),
+                    row_bound(own_k[l], t, h * hs + i, kv_dim, hs, true))
+              << "key layer " << l << " head " << h << " index " << t << " channel " << i;
+          ASSERT_LE(std::abs(rows.values[(h * tokens.size() + t) * hs + i] - v),
+                    row_bound(own_v[l], t, h * hs + i, kv_dim, hs, false))
+              << "value layer " << l << " head " << h << " index " << t << " channel " << i;
+        }
+    }
+  std::printf("  logits vs the double forward over the store's K/V: worst |Δ|/(1+|ref|) %.3g\n",
+              worst);
+}
+
+// f32 arithmetic between the model's K/V and the reference's: 1e-5 of the row's scale.
+constexpr double kF32Slack = 1e-5;
+
+/// int8: every element within max|row| / 254 of the reference's own row.
+double int8_row_bound(const std::vector<double>& x, std::size_t t, std::size_t col,
+                      std::size_t kv_dim, std::size_t hs, bool) {
+  const std::size_t h0 = col / hs * hs;
+  double amax = 0;
+  for (std::size_t i = 0; i < hs; ++i) amax = std::max(amax, std::abs(x[t * kv_dim + h0 + i]));
+  return amax / 254 * (1 + 1e-6) + kF32Slack * amax;
+}
+
+/// 4-bit, groups of G: a key within its channel's range over the group / 30, a value within its
+/// row's range / 30; rows of the open group (past the last full group of 40) exact.
+template <std::size_t G>
+double q4_row_bound(const std::vector<double>& x, std::size_t t, std::size_t col,
+                    std::size_t kv_dim, std::size_t hs, bool key) {
+  const std::size_t n = x.size() / kv_dim, g0 = t / G * G;
+  double lo = 1e30, hi = -1e30;
+  if (g0 + G > n) {  // the open group: the f32 row itself
+    return kF32Slack * (1 + std::abs(x[t * kv_dim + col]));
+  }
+  if (key) {
+    for (std::size_t r = g0; r < g0 + G; ++r) {
+      lo = std::min(lo, x[r * kv_dim + col]);
+      hi = std::max(hi, x[r * kv_dim + col]);
+    }
+  } else {
+    const std::size_t h0 = col / hs * hs;
+    for (std::size_t i = 0; i < hs; ++i) {
+      lo = std::min(lo, x[t * kv_dim + h0 + i]);
+      hi = std::max(hi, x[t * kv_dim + h0 + i]);
+    }
+  }
+  return (hi - lo) / 30 * (1 + 1e-6) + kF32Slack * (1 + std::abs(lo) + std::abs(hi));
+}
+
+TEST(QuantizedLogitsTest, Int8MatchesDoubleForwardOverItsOwnKv) {
+  Int8Store<float> f(small_config(4, 2, 48), 40);
+  expect_logits_over_own_kv(f, 1e-5, int8_row_bound);
+  Int8Store<double> d(small_config(4, 2, 48), 40);
+  expect_logits_over_own_kv(d, 1e-12, int8_row_bound);
+}
+
+TEST(QuantizedLogitsTest, Q4MatchesDoubleForwardOverItsOwnKv) {
+  // Groups of 8: the prefill completes one group and decode four more; none stays open.
+  Q4Store<float> f(small_config(4, 2, 48), 40, 8);
+  expect_logits_over_own_kv(f, 1e-5, q4_row_bound<8>);
+  Q4Store<double> d(small_config(4, 2, 48), 40, 16);  // 8 rows stay in the open group
+  expect_logits_over_own_kv(d, 1e-12, q4_row_bound<16>);
 }
 
 // --- Memory ---------------------------------------------------------------------------------

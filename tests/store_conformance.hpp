@@ -9,7 +9,11 @@
 //     static constexpr double kRowTolerance = 0;   // else: max |Δ| of a row element, relative
 //                                                  // to the row's max |x|
 //     static constexpr double kLogitTolerance = 1e-5;  // decode vs reference, × (1 + |ref|)
-//     static constexpr bool kFullHistory = true;   // keeps every position (no window)
+//     // The cache indices for_each_block(layer, head, end) must return, in order, after the
+//     // suite's appends (at most 40 positions): all of [0, end) for a store that keeps them.
+//     static std::vector<std::size_t> expected_resident(std::size_t end) {
+//       return all_indices(end);
+//     }
 //   };
 //   using MyStores = ::testing::Types<MyStore>;  // a name: the macro splits on commas
 //   INSTANTIATE_TYPED_TEST_SUITE_P(My, StoreConformance, MyStores);
@@ -30,6 +34,13 @@ namespace kvdecode::testing_util {
 
 template <class Store>
 struct StoreTraits;
+
+/// The cache indices 0, 1, ..., end - 1.
+inline std::vector<std::size_t> all_indices(std::size_t end) {
+  std::vector<std::size_t> v(end);
+  for (std::size_t i = 0; i < end; ++i) v[i] = i;
+  return v;
+}
 
 /// Deterministic K/V rows for (layer, cache index): [kv_dim] each, different for every input.
 template <class T>
@@ -100,11 +111,10 @@ class StoreConformance : public ::testing::Test {
     for (std::size_t l = 0; l < s.n_layers(); ++l)
       for (std::size_t h = 0; h < s.n_kv_heads(); ++h) {
         const Gathered<Store> g = gather(s, l, h, end);
-        ASSERT_TRUE(std::is_sorted(g.indices.begin(), g.indices.end()));
-        ASSERT_TRUE(std::adjacent_find(g.indices.begin(), g.indices.end()) == g.indices.end());
-        if constexpr (Traits::kFullHistory) {
-          ASSERT_EQ(g.indices.size(), end);
-        }
+        // Exactly the indices the store says it keeps, in increasing order: an empty or short
+        // for_each_block fails here, not only a wrong row.
+        ASSERT_EQ(g.indices, Traits::expected_resident(end))
+            << "layer " << l << " head " << h << " end " << end;
         for (std::size_t r = 0; r < g.indices.size(); ++r) {
           const std::size_t index = g.indices[r];
           ASSERT_LT(index, end);

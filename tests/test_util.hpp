@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <span>
 #include <vector>
 
@@ -33,13 +34,21 @@ inline std::vector<std::int32_t> random_tokens(std::size_t n, std::int64_t vocab
   return t;
 }
 
-/// max |a - b| over two equally long logit vectors.
+/// max |a - b| over two equally long logit vectors. A NaN in either (which std::max would skip)
+/// is a failure of the calling test and makes the result +infinity, so every bound on it fails
+/// too, and so does a maximum taken over several calls.
 template <class RangeA, class RangeB>
 double max_abs_diff(const RangeA& a, const RangeB& b) {
   EXPECT_EQ(a.size(), b.size());
   double worst = 0;
-  for (std::size_t i = 0; i < a.size() && i < b.size(); ++i)
-    worst = std::max(worst, std::abs(static_cast<double>(a[i]) - static_cast<double>(b[i])));
+  for (std::size_t i = 0; i < a.size() && i < b.size(); ++i) {
+    const double d = std::abs(static_cast<double>(a[i]) - static_cast<double>(b[i]));
+    if (std::isnan(d)) {
+      ADD_FAILURE() << "max_abs_diff: NaN at index " << i << " (" << a[i] << " vs " << b[i] << ")";
+      return std::numeric_limits<double>::infinity();
+    }
+    worst = std::max(worst, d);
+  }
   return worst;
 }
 

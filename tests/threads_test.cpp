@@ -4,10 +4,15 @@
 // model against the f32 model, within a bound derived from bf16's rounding.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <limits>
+#include <string>
 #include <vector>
 
+#include "double_forward.hpp"
 #include "kvdecode/io/checkpoint.hpp"
 #include "kvdecode/kvdecode.hpp"
 #include "test_util.hpp"
@@ -104,15 +109,115 @@ TEST(ThreadsTest, ActivationsRejectALargerPoolThanTheyWereSizedFor) {
 // the residual before every block, so the logits' normalised error ‖Δ‖₂/‖logits‖₂ ≤ M · 2u.
 // ---------------------------------------------------------------------------------------------
 
-double normalised_error(std::span<const float> got, std::span<const float> ref) {
+/// ‖got - ref‖₂ / ‖ref‖₂; +infinity when either holds a NaN (so a max over calls keeps it).
+template <class A, class B>
+double normalised_error(std::span<const A> got, std::span<const B> ref) {
   double d = 0, r = 0;
   for (std::size_t i = 0; i < ref.size(); ++i) {
     d += (static_cast<double>(got[i]) - ref[i]) * (static_cast<double>(got[i]) - ref[i]);
     r += static_cast<double>(ref[i]) * ref[i];
   }
-  return std::sqrt(d / r);
+  const double e = std::sqrt(d / r);
+  return std::isnan(e) ? std::numeric_limits<double>::infinity() : e;
 }
 
+// ---------------------------------------------------------------------------------------------
+// bf16 weights against a double-precision forward over the same rounded weights.
+//
+// The rule every bf16 path follows: each weight is bf16 (rounded to nearest-even from f32),
+// each weight product's input x is rounded to bf16 (nearest-even), and the bf16 × bf16
+// products, exact in f32, are summed in f32. The reference (double_forward.hpp) rounds the f32
+// weights and every product's input with its own round_to_bf16 and sums in double, so what
+// remains is f32 summation and activation rounding (measured ≤ 1.1e-6 · (1 + |ref|) at 90 % of
+// positions), except where an input element's f32 value and its double counterpart round to
+// different bf16 neighbours: one ulp (2^-8 relative) of one input, measured up to 1.8e-2 on a
+// logit, and carried to later positions by the K/V cache. So: three positions in four within
+// kBf16RuleTolerance = 1e-5 · (1 + |ref|), every position within kBf16FlipTolerance = 5e-2 ·
+// (1 + |ref|). One layer keeps flips rare (about one position in ten here). A truncating
+// rounding of weights or inputs, or a product that drops input columns, moves every position by
+// 1e-3 or more.
+// ---------------------------------------------------------------------------------------------
+
+constexpr double kBf16RuleTolerance = 1e-5;
+constexpr double kBf16FlipTolerance = 5e-2;
+
+ModelConfig bf16_config() {
+  ModelConfig cfg = threaded_config();
+  cfg.n_layers = 1;
+  cfg.seq_len = 48;
+  return cfg;
+}
+
+/// Checks per-position errors (|Δ| / (1 + |ref|), worst logit of each position) against the
+/// rule: three in four within kBf16RuleTolerance, all within kBf16FlipTolerance.
+void expect_bf16_rule(std::vector<double> errors, const std::string& what) {
+  std::sort(errors.begin(), errors.end());
+  const double p75 = errors[errors.size() * 3 / 4], worst = errors.back();
+  EXPECT_LE(p75, kBf16RuleTolerance) << what << ": 75th percentile";
+  EXPECT_LE(worst, kBf16FlipTolerance) << what << ": worst position";
+  std::printf("%s vs the bf16-rule reference: |Δ|/(1+|ref|) p75 %.3g, worst %.3g\n", what.c_str(),
+              p75, worst);
+}
+
+/// max over logits of |got - ref| / (1 + |ref|), +infinity on a NaN.
+double worst_relative(std::span<const float> got, std::span<const double> ref) {
+  double worst = 0;
+  for (std::size_t i = 0; i < ref.size(); ++i) {
+    const double d = std::abs(static_cast<double>(got[i]) - ref[i]) / (1 + std::abs(ref[i]));
+    if (std::isnan(d)) return std::numeric_limits<double>::infinity();
+    worst = std::max(worst, d);
+  }
+  return worst;
+}
+
+TEST(Bf16ModelTest, DecodeFollowsTheBf16RuleOnRoundedWeights) {
+  const ModelConfig cfg = bf16_config();
+  const Weights<float> w = random_weights<float>(cfg, 9);
+  const Model<float, bf16> bf(convert_weights<bf16>(w));
+  const testing_util::DoubleWeights ref_w = testing_util::widen_weights(w, true);
+  const auto tokens = random_tokens(static_cast<std::size_t>(cfg.seq_len), cfg.vocab_size, 7);
+  for (const std::size_t threads : {1, 2}) {
+    ThreadPool pool(threads);
+    ContiguousStore<float> cache(cfg);
+    Activations<float> act(cfg, 1, 0, &pool);
+    testing_util::DoubleCache ref_cache(cfg);
+    std::vector<double> errors;
+    for (std::size_t p = 0; p < tokens.size(); ++p) {
+      const auto logits = bf.decode(tokens[p], cache, act);
+      const std::vector<double> ref =
+          testing_util::double_step(ref_w, tokens[p], p, ref_cache, true);
+      errors.push_back(worst_relative(logits, ref));
+    }
+    expect_bf16_rule(errors, "bf16 decode, " + std::to_string(threads) + " threads");
+  }
+}
+
+// Holds once prefill (several tokens per product) rounds its inputs to bf16 as decode does; it
+// widens the weights and keeps x in f32 today, which the derived bound below allows.
+TEST(Bf16ModelTest, PrefillFollowsTheBf16RuleOnRoundedWeights) {
+  GTEST_SKIP() << "prefill does not round weight-product inputs to bf16 yet (decode does); "
+                  "remove this skip when both follow the one bf16 rule";
+  const ModelConfig cfg = bf16_config();
+  const Weights<float> w = random_weights<float>(cfg, 9);
+  const Model<float, bf16> bf(convert_weights<bf16>(w));
+  const auto tokens = random_tokens(static_cast<std::size_t>(cfg.seq_len), cfg.vocab_size, 7);
+  const std::vector<double> ref =
+      testing_util::double_forward(testing_util::widen_weights(w, true), tokens, true);
+  const auto vocab = static_cast<std::size_t>(cfg.vocab_size);
+  for (const std::size_t chunk : {std::size_t{5}, std::size_t{32}}) {  // gemm_few and gemm_cols
+    ContiguousStore<float> cache(cfg);
+    Activations<float> act(cfg, chunk);
+    std::vector<float> all(tokens.size() * vocab);
+    bf.prefill(tokens, cache, act, std::span<float>(all));
+    std::vector<double> errors;
+    for (std::size_t p = 0; p < tokens.size(); ++p)
+      errors.push_back(worst_relative(std::span<const float>(all).subspan(p * vocab, vocab),
+                                      std::span<const double>(ref).subspan(p * vocab, vocab)));
+    expect_bf16_rule(errors, "bf16 prefill, chunks of " + std::to_string(chunk));
+  }
+}
+
+// The derived bound of the header comment above, a second, looser check of the same paths.
 TEST(Bf16ModelTest, LogitsWithinDerivedBoundOfF32Model) {
   ModelConfig cfg = threaded_config();
   cfg.n_layers = 4;

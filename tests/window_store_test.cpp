@@ -36,7 +36,8 @@ struct StoreTraits<WindowStore<T>> {
   static constexpr bool kExactRows = true;
   static constexpr double kRowTolerance = 0;
   static constexpr double kLogitTolerance = std::is_same_v<T, float> ? 1e-5 : 1e-12;
-  static constexpr bool kFullHistory = false;
+  // The windows cover the capacity (S + W = capacity): every position stays resident.
+  static std::vector<std::size_t> expected_resident(std::size_t end) { return all_indices(end); }
 };
 template <class T>
 struct StoreTraits<StreamingWindowStore<T>> {
@@ -55,7 +56,8 @@ struct StoreTraits<StreamingWindowStore<T>> {
   static constexpr bool kExactRows = true;
   static constexpr double kRowTolerance = 0;
   static constexpr double kLogitTolerance = std::is_same_v<T, float> ? 1e-5 : 1e-12;
-  static constexpr bool kFullHistory = false;
+  // The windows cover the capacity (S + W = capacity): every position stays resident.
+  static std::vector<std::size_t> expected_resident(std::size_t end) { return all_indices(end); }
 };
 
 using WindowStores = ::testing::Types<WindowStore<float>, WindowStore<double>,

@@ -183,8 +183,11 @@ void attend_kv_head(const ModelConfig& cfg, const S& store, std::size_t layer, s
         } else {
           const auto ri = static_cast<Eigen::Index>(sg.rows);
           const auto bs = Stride(static_cast<Eigen::Index>(sg.stride));
-          s.middleCols(static_cast<Eigen::Index>(sg.col), ri).noalias() =
-              (qh * detail::ConstStridedMap<T>(sg.keys, ri, hsi, bs).transpose()) * scale;
+          // Scaled after the product: Eigen evaluates a product inside a larger expression
+          // ((q·Kᵀ)·scale) into a heap temporary.
+          auto cols_of = s.middleCols(static_cast<Eigen::Index>(sg.col), ri);
+          cols_of.noalias() = qh * detail::ConstStridedMap<T>(sg.keys, ri, hsi, bs).transpose();
+          cols_of *= scale;
         }
       }
       T* m = m_all + j * n;
