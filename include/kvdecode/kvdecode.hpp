@@ -21,6 +21,7 @@
 #include "kvdecode/reference.hpp"
 #include "kvdecode/rope.hpp"
 #include "kvdecode/sampler.hpp"
+#include "kvdecode/speculative.hpp"
 #include "kvdecode/thread_pool.hpp"
 #include "kvdecode/tokenizer.hpp"
 #include "kvdecode/weights.hpp"
