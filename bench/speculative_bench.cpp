@@ -114,12 +114,14 @@ double tokens_per_pass(double a, std::size_t k) {
 
 void BM_SpeculativeBreakEven(benchmark::State& state, std::string target_file,
                              std::string draft_file) {
-  const auto k = static_cast<std::size_t>(state.range(0));
+  const auto threads = static_cast<std::size_t>(state.range(0));
+  const auto k = static_cast<std::size_t>(state.range(1));
   const Model<float> target(load_checkpoint(target_file));
   const Model<float> draft(load_checkpoint(draft_file));
   const ModelConfig& cfg = target.config();
+  std::unique_ptr<ThreadPool> pool = threads > 1 ? std::make_unique<ThreadPool>(threads) : nullptr;
   ContiguousStore<float> cache(cfg), draft_cache(draft.config());
-  Activations<float> act(cfg, 16), draft_act(draft.config(), 16);
+  Activations<float> act(cfg, 16, 0, pool.get()), draft_act(draft.config(), 16, 0, pool.get());
   std::vector<std::int32_t> prompt(32);
   for (std::size_t i = 0; i < prompt.size(); ++i)
     prompt[i] =
@@ -177,9 +179,10 @@ const bool kRegistered = [] {
   if (target != nullptr && draft != nullptr) {
     benchmark::RegisterBenchmark("BM_SpeculativeBreakEven", BM_SpeculativeBreakEven,
                                  std::string(target), std::string(draft))
-        ->ArgName("k")
-        ->Arg(4)
-        ->Arg(8)
+        ->ArgNames({"threads", "k"})
+        ->Args({1, 4})
+        ->Args({2, 4})
+        ->Args({2, 8})
         ->Unit(benchmark::kMillisecond)
         ->Iterations(1);
   }
