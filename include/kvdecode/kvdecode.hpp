@@ -22,6 +22,7 @@
 #include "kvdecode/reference.hpp"
 #include "kvdecode/rope.hpp"
 #include "kvdecode/sampler.hpp"
+#include "kvdecode/speculative.hpp"
 #include "kvdecode/text_stream.hpp"
 #include "kvdecode/thread_pool.hpp"
 #include "kvdecode/tokenizer.hpp"

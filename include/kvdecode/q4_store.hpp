@@ -145,6 +145,14 @@ class Q4Store {
   /// Rows still in staging leave no trace when dropped; truncating into a quantized group
   /// re-quantizes its kept rows later (see truncate()), which is not exact.
   std::size_t max_exact_rollback() const { return size_ % group_; }
+  /// The most positions the next append may bring so that no group completes after its first
+  /// row: every row then reads what a one-at-a-time decode reads (a chunk that completes a
+  /// group reads it quantized), and max_exact_rollback() afterwards covers all rows but the
+  /// first. What speculative verification appends at most.
+  std::size_t max_exact_append() const {
+    const std::size_t r = size_ % group_;
+    return std::min(capacity_ - size_, r + 1 == group_ ? group_ : group_ - 1 - r);
+  }
   std::size_t rope_position(std::size_t index) const { return index; }
   /// One group of keys and values: [2][G][head_size].
   std::size_t block_scratch_size() const { return 2 * group_ * head_size_; }

@@ -1,0 +1,450 @@
+// Speculative decoding: a drafter proposes the next few tokens, the target model runs them in
+// one pass (a decode step reads every weight once, so verifying k tokens costs about one step),
+// keeps the longest prefix it agrees with plus one token of its own, and rolls the rest out of
+// its cache. Greedy output equals plain greedy decoding token for token; sampling keeps the
+// target's distribution (Leviathan et al. 2023, Chen et al. 2023). See docs/SPECULATIVE.md.
+#pragma once
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <type_traits>
+#include <vector>
+
+#include "kvdecode/activations.hpp"
+#include "kvdecode/detail/kernels.hpp"
+#include "kvdecode/error.hpp"
+#include "kvdecode/generate.hpp"
+#include "kvdecode/kv_store.hpp"
+#include "kvdecode/model.hpp"
+#include "kvdecode/sampler.hpp"
+
+namespace kvdecode {
+
+// ---------------------------------------------------------------------------------------------
+// Drafters
+
+/// Proposes tokens to follow `context` (every token so far, the one about to be fed last):
+/// draft() writes up to out.size() of them to out and returns how many (0 = no proposal, the
+/// step runs as a plain decode step). A drafter that samples its proposals also has
+/// distribution(i): the probabilities [vocab_size] it drew proposal i from in the last draft()
+/// (an empty span when it chose greedily); one without it proposes deterministically.
+template <class D>
+concept Drafter = requires(D& d, std::span<const std::int32_t> context,
+                           std::span<std::int32_t> out) {
+  { d.draft(context, out) } -> std::same_as<std::size_t>;
+};
+
+struct PromptLookupOptions {
+  std::size_t max_ngram = 3;  ///< longest suffix of the context looked up
+  std::size_t min_ngram = 1;  ///< shortest; below it nothing is proposed
+};
+
+/// Prompt lookup (llama.cpp's lookup decoding, vLLM's n-gram speculator): finds the longest
+/// suffix of the context, from max_ngram down to min_ngram tokens, that occurred earlier in the
+/// context, and proposes the tokens that followed its latest earlier occurrence. No model; it
+/// pays off when the output quotes the prompt or repeats itself.
+class PromptLookupDrafter {
+ public:
+  explicit PromptLookupDrafter(const PromptLookupOptions& options = {}) : options_(options) {
+    KVDECODE_CHECK(options.min_ngram >= 1 && options.min_ngram <= options.max_ngram,
+                   "PromptLookupDrafter: n-gram sizes must satisfy 1 <= min_ngram <= max_ngram, "
+                   "got min_ngram ",
+                   options.min_ngram, " and max_ngram ", options.max_ngram);
+  }
+
+  std::size_t draft(std::span<const std::int32_t> context, std::span<std::int32_t> out) const {
+    const std::size_t m = context.size();
+    if (out.empty()) return 0;
+    for (std::size_t n = std::min(options_.max_ngram, m > 0 ? m - 1 : 0); n >= options_.min_ngram;
+         --n) {
+      const std::span<const std::int32_t> suffix = context.subspan(m - n);
+      // Latest occurrence first: recent text predicts the next tokens best.
+      for (std::size_t i = m - n; i-- > 0;) {
+        if (!std::equal(suffix.begin(), suffix.end(), context.begin() + i)) continue;
+        const std::size_t from = i + n;  // < m, as i < m - n
+        const std::size_t count = std::min(out.size(), m - from);
+        std::copy_n(context.begin() + from, count, out.begin());
+        return count;
+      }
+    }
+    return 0;
+  }
+
+ private:
+  PromptLookupOptions options_;
+};
+
+namespace detail {
+
+/// The distribution Sampler draws from for these logits: softmax(logits / temperature), cut by
+/// top-k and top-p as Sampler::truncated() cuts it, renormalised. probs [vocab_size] receives
+/// it; order [vocab_size] is scratch. Needs temperature > 0.
+template <class T>
+void sampling_distribution(std::span<const T> logits, const SamplerOptions& options,
+                           std::span<double> probs, std::span<std::int32_t> order) {
+  const std::size_t n = logits.size();
+  const double inv_t = 1.0 / options.temperature;
+  double max_l = -INFINITY;
+  for (std::size_t i = 0; i < n; ++i)
+    max_l = std::max(max_l, static_cast<double>(logits[i]) * inv_t);
+  double sum = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    probs[i] = std::exp(static_cast<double>(logits[i]) * inv_t - max_l);
+    sum += probs[i];
+  }
+  for (std::size_t i = 0; i < n; ++i) probs[i] /= sum;
+  const bool use_k = options.top_k > 0 && static_cast<std::size_t>(options.top_k) < n;
+  const bool use_p = options.top_p > 0.0 && options.top_p < 1.0;
+  if (!use_k && !use_p) return;
+  const std::size_t k = use_k ? static_cast<std::size_t>(options.top_k) : n;
+  const double top_p = use_p ? options.top_p : 1.0;
+  const double cutoff = top_p < 1.0 && n > 1 ? (1.0 - top_p) / static_cast<double>(n - 1) : 0.0;
+  std::size_t m = 0;
+  for (std::size_t i = 0; i < n; ++i)
+    if (probs[i] >= cutoff) order[m++] = static_cast<std::int32_t>(i);
+  const auto by_prob = [&](std::int32_t a, std::int32_t b) {
+    const double pa = probs[static_cast<std::size_t>(a)];
+    const double pb = probs[static_cast<std::size_t>(b)];
+    return pa > pb || (pa == pb && a < b);
+  };
+  const std::size_t keep_k = std::min(k, m);
+  std::partial_sort(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(keep_k),
+                    order.begin() + static_cast<std::ptrdiff_t>(m), by_prob);
+  double kept = 0;
+  std::size_t last = keep_k - 1;
+  for (std::size_t i = 0; i < keep_k; ++i) {
+    kept += probs[static_cast<std::size_t>(order[i])];
+    if (kept > top_p) {
+      last = i;
+      break;
+    }
+  }
+  // Keep order[0..last] (marked by a negative sign), zero the rest, renormalise.
+  for (std::size_t i = 0; i <= last; ++i) probs[static_cast<std::size_t>(order[i])] *= -1.0;
+  for (std::size_t i = 0; i < n; ++i) probs[i] = probs[i] < 0 ? -probs[i] / kept : 0.0;
+}
+
+/// Index drawn from probs [n] (summing to 1 up to rounding) with a uniform coin in [0, 1).
+inline std::int32_t draw(std::span<const double> probs, double coin) {
+  double cdf = 0;
+  std::size_t last = 0;
+  for (std::size_t i = 0; i < probs.size(); ++i) {
+    if (probs[i] <= 0) continue;
+    last = i;
+    cdf += probs[i];
+    if (coin < cdf) return static_cast<std::int32_t>(i);
+  }
+  return static_cast<std::int32_t>(last);
+}
+
+/// A uniform coin in [0, 1) with 53 bits, from two xorshift64* draws.
+inline double coin(XorShiftRng& rng) {
+  const std::uint64_t hi = rng.next_u32() >> 5;  // 27 bits
+  const std::uint64_t lo = rng.next_u32() >> 6;  // 26 bits
+  return static_cast<double>((hi << 26) | lo) * (1.0 / 9007199254740992.0);
+}
+
+}  // namespace detail
+
+/// A smaller model with its own store proposes by decoding ahead of the target. Before each
+/// draft its store is brought to the context: truncated to the longest prefix it shares with
+/// it (a reset and a fresh prefill when the store cannot undo that far exactly), then fed the
+/// rest. With sampling.temperature 0 it proposes its argmax; otherwise it samples its own
+/// distribution and reports it through distribution(i). The store must hold at least as many
+/// positions as the target's.
+template <class T, class W, KvStore S>
+class DraftModelDrafter {
+ public:
+  DraftModelDrafter(const Model<T, W>& model, S& store, Activations<T>& act, std::size_t max_draft,
+                    const SamplerOptions& sampling = {.temperature = 0})
+      : model_(&model),
+        store_(&store),
+        act_(&act),
+        sampling_(sampling),
+        rng_(sampling.seed ^ 0x9E3779B97F4A7C15ull),
+        vocab_(static_cast<std::size_t>(model.config().vocab_size)),
+        probs_(max_draft * vocab_),
+        order_(vocab_) {}
+
+  std::size_t draft(std::span<const std::int32_t> context, std::span<std::int32_t> out) {
+    KVDECODE_CHECK(!context.empty(), "DraftModelDrafter::draft: empty context");
+    KVDECODE_CHECK(out.size() * vocab_ <= probs_.size(), "DraftModelDrafter::draft: ", out.size(),
+                   " proposals asked, built for at most ", probs_.size() / vocab_);
+    // Bring the store to context[0, m - 1): the last token is fed below to get its logits.
+    const std::size_t m = context.size();
+    const std::span<const std::int32_t> held = store_->tokens();
+    std::size_t common = 0;
+    while (common < held.size() && common + 1 < m && held[common] == context[common]) ++common;
+    if (held.size() - common <= store_->max_exact_rollback()) {
+      store_->truncate(common);
+    } else {
+      store_->reset();
+      common = 0;
+    }
+    const std::size_t room = store_->capacity() - store_->size();
+    if (room < m - common) return 0;  // the context no longer fits: no proposal
+    std::span<const std::int32_t> rest = context.subspan(common);
+    const std::size_t at_once = std::min(rest.size(), detail::append_limit(*store_));
+    std::span<const T> logits = model_->prefill(rest.first(at_once), *store_, *act_);
+    for (const std::int32_t token : rest.subspan(at_once))
+      logits = model_->decode(token, *store_, *act_);
+    // Proposal i + 1 needs proposal i fed: at most room - (m - common) + 1 proposals.
+    const std::size_t k = std::min(out.size(), store_->capacity() - store_->size() + 1);
+    for (std::size_t i = 0; i < k; ++i) {
+      if (i > 0) logits = model_->decode(out[i - 1], *store_, *act_);
+      if (sampling_.temperature == 0) {
+        out[i] = Sampler::argmax(logits);
+      } else {
+        const std::span<double> q(probs_.data() + i * vocab_, vocab_);
+        detail::sampling_distribution(logits, sampling_, q, std::span<std::int32_t>(order_));
+        out[i] = detail::draw(q, detail::coin(rng_));
+      }
+    }
+    return k;
+  }
+
+  /// The distribution proposal i of the last draft() was drawn from; empty when greedy.
+  std::span<const double> distribution(std::size_t i) const {
+    if (sampling_.temperature == 0) return {};
+    return {probs_.data() + i * vocab_, vocab_};
+  }
+
+ private:
+  const Model<T, W>* model_;
+  S* store_;
+  Activations<T>* act_;
+  SamplerOptions sampling_;
+  XorShiftRng rng_;
+  std::size_t vocab_;
+  std::vector<double> probs_;        // [max_draft][vocab_size] distribution of each proposal
+  std::vector<std::int32_t> order_;  // [vocab_size] scratch of sampling_distribution
+};
+
+// ---------------------------------------------------------------------------------------------
+// Verification and rollback
+
+/// The most tokens one verification pass may append to `cache`: what the store takes in one
+/// append, lowered by a store whose chunked append would compute differently from decoding the
+/// tokens one at a time (an optional max_exact_append() member: a 4-bit store's chunk must not
+/// complete a key group before its first row).
+template <KvStore S>
+std::size_t speculative_append_limit(const S& cache) {
+  std::size_t n = detail::append_limit(cache);
+  if constexpr (requires {
+                  { cache.max_exact_append() } -> std::same_as<std::size_t>;
+                }) {
+    n = std::min(n, cache.max_exact_append());
+  }
+  return n;
+}
+
+/// Rolls `cache` back to its first `keep` positions, exactly: as if the others had never been
+/// appended. Throws Error, changing nothing, when the store cannot undo that many
+/// (max_exact_rollback()); verification appends at most speculative_append_limit() tokens and
+/// keeps at least the first, which every store in this library can then undo.
+template <KvStore S>
+void speculative_rollback(S& cache, std::size_t keep) {
+  KVDECODE_CHECK(keep <= cache.size(), "speculative_rollback: keep ", keep, " of ", cache.size(),
+                 " positions");
+  const std::size_t drop = cache.size() - keep;
+  KVDECODE_CHECK(drop <= cache.max_exact_rollback(), "speculative_rollback: ", drop,
+                 " positions to drop but the store undoes at most ", cache.max_exact_rollback(),
+                 " exactly");
+  if (drop > 0) cache.truncate(keep);
+}
+
+struct SpeculativeOptions {
+  /// k: tokens drafted per target pass. A pass runs k + 1 tokens, capped by the Activations'
+  /// max_tokens, the few-token GEMM's width and speculative_append_limit(); 0 = plain decoding.
+  std::size_t max_draft = 4;
+};
+
+struct SpeculativeStats : GenerationStats {
+  std::size_t target_passes = 0;  ///< target forward passes after the prompt (verify or decode)
+  std::size_t drafted = 0;        ///< tokens proposed and verified
+  std::size_t accepted = 0;       ///< proposals the target kept
+  double draft_ms = 0;            ///< inside the drafter (part of decode_ms)
+  double acceptance_rate() const {
+    return drafted > 0 ? static_cast<double>(accepted) / static_cast<double>(drafted) : 0;
+  }
+  /// Generated tokens per target pass after the first token (1 for plain decoding).
+  double tokens_per_pass() const {
+    return target_passes > 0
+               ? static_cast<double>(decode_steps()) / static_cast<double>(target_passes)
+               : 0;
+  }
+};
+
+/// generate() with speculation: the same contract (prompt after what the cache holds, on_token
+/// for every generated token, which may return false to stop; the store ends holding every
+/// generated token but the last), with tokens proposed by `drafter` and verified k + 1 at a
+/// time. sampling.temperature 0 gives exactly generate()'s greedy tokens. Otherwise each
+/// proposal d is kept with probability min(1, p(d) / q(d)) (p the target's distribution as
+/// Sampler defines it, q the drafter's, one-hot for a deterministic drafter) and a rejection
+/// draws from norm(max(0, p - q)): the tokens follow the target's distribution, though not
+/// Sampler's random stream. act needs max_tokens ≥ k + 1 for a pass to be one chunk.
+/// options.use_cache is ignored (always cached).
+template <class T, class W, KvStore S, Drafter D, class OnToken>
+SpeculativeStats speculative_generate(const Model<T, W>& model, S& cache, Activations<T>& act,
+                                      std::span<const std::int32_t> prompt,
+                                      const SamplerOptions& sampling, D& drafter,
+                                      const GenerationOptions& options,
+                                      const SpeculativeOptions& spec, OnToken&& on_token) {
+  using Clock = std::chrono::steady_clock;
+  const auto ms = [](Clock::duration d) {
+    return std::chrono::duration<double, std::milli>(d).count();
+  };
+  KVDECODE_CHECK(!prompt.empty(),
+                 "speculative_generate: the prompt has no tokens (start it with BOS, or "
+                 "give at least the last token after the cached ones)");
+  KVDECODE_CHECK(prompt.size() <= cache.capacity() - cache.size(),
+                 "speculative_generate: the "
+                 "prompt has ",
+                 prompt.size(), " tokens but the cache, holding ", cache.size(), " of at most ",
+                 cache.capacity(), " positions, has room for ", cache.capacity() - cache.size());
+  KVDECODE_CHECK(sampling.temperature >= 0 && std::isfinite(sampling.temperature),
+                 "speculative_generate: temperature must be a finite number >= 0, got ",
+                 sampling.temperature);
+  const auto vocab = static_cast<std::size_t>(model.config().vocab_size);
+  const bool greedy = sampling.temperature == 0;
+  // One pass: k + 1 tokens, within one chunk and the few-token GEMM, whose products equal the
+  // single-token ones bit for bit (so greedy verification agrees with plain decoding).
+  const std::size_t max_pass = std::max<std::size_t>(
+      1, std::min({spec.max_draft + 1, act.max_tokens, detail::kMaxFewTokens}));
+  SpeculativeStats stats;
+  stats.cached_tokens = cache.size();
+  stats.prompt_tokens = prompt.size();
+  // Scratch, allocated once per call.
+  std::vector<T> all_logits(max_pass * vocab);          // [max_pass][vocab] every row of a pass
+  std::vector<std::int32_t> pass(max_pass);             // [max_pass] the fed token, then proposals
+  std::vector<std::int32_t> context;                    // [capacity] the tokens so far
+  std::vector<double> p(greedy ? 0 : vocab);            // [vocab] target distribution of a row
+  std::vector<std::int32_t> order(greedy ? 0 : vocab);  // [vocab] sampling_distribution scratch
+  context.reserve(cache.capacity() + 1);
+  XorShiftRng rng(sampling.seed);
+
+  const auto pick = [&](std::span<const T> logits) {  // a token from the target's row
+    if (greedy) return Sampler::argmax(logits);
+    detail::sampling_distribution(logits, sampling, std::span<double>(p),
+                                  std::span<std::int32_t>(order));
+    return detail::draw(p, detail::coin(rng));
+  };
+  bool stop = false;
+  const auto emit = [&](std::int32_t token) {  // hands a token out; false when generation ends
+    ++stats.generated_tokens;
+    bool go_on = true;
+    if constexpr (std::is_same_v<std::invoke_result_t<OnToken&, std::int32_t>, bool>) {
+      go_on = on_token(token);
+    } else {
+      on_token(token);
+    }
+    if (token == options.stop_token) {
+      stats.hit_stop_token = true;
+      go_on = false;
+    }
+    if (stats.generated_tokens == options.max_new_tokens) go_on = false;
+    stop = !go_on;
+    return go_on;
+  };
+
+  // The prompt exactly as generate() feeds it.
+  const auto start = Clock::now();
+  stats.prompt_tokens_decoded =
+      prompt.size() - std::min(prompt.size(), detail::append_limit(cache));
+  {
+    const std::size_t at_once = std::min(prompt.size(), detail::append_limit(cache));
+    std::span<const T> logits = model.prefill(prompt.first(at_once), cache, act);
+    for (const std::int32_t token : prompt.subspan(at_once))
+      logits = model.decode(token, cache, act);
+    stats.prefill_ms = ms(Clock::now() - start);
+    if (options.max_new_tokens == 0) return stats;
+    const auto decode_start = Clock::now();
+    std::int32_t token = pick(logits);
+    stats.ttft_ms = ms(Clock::now() - start);
+    emit(token);
+
+    while (!stop) {
+      if (cache.size() == cache.capacity()) {
+        stats.hit_capacity = true;
+        break;
+      }
+      // A pass emits at most as many tokens as it runs.
+      const std::size_t n_max = std::min({max_pass, speculative_append_limit(cache),
+                                          options.max_new_tokens - stats.generated_tokens});
+      std::size_t drafted = 0;
+      if (n_max > 1) {
+        const auto draft_start = Clock::now();
+        const std::span<const std::int32_t> held = cache.tokens();
+        context.assign(held.begin(), held.end());
+        context.push_back(token);
+        drafted = drafter.draft(std::span<const std::int32_t>(context),
+                                std::span<std::int32_t>(pass).subspan(1, n_max - 1));
+        KVDECODE_CHECK(drafted < n_max, "speculative_generate: the drafter proposed ", drafted,
+                       " tokens, at most ", n_max - 1, " were asked for");
+        stats.draft_ms += ms(Clock::now() - draft_start);
+      }
+      ++stats.target_passes;
+      if (drafted == 0) {  // a plain decode step
+        token = pick(model.decode(token, cache, act));
+        emit(token);
+        continue;
+      }
+      const std::size_t n = drafted + 1;
+      pass[0] = token;
+      const std::size_t first = cache.size();
+      model.prefill(std::span<const std::int32_t>(pass).first(n), cache, act,
+                    std::span<T>(all_logits).first(n * vocab));
+      stats.drafted += drafted;
+      // Row i is the target's next-token logits after pass[0..i]; pass[i + 1] is proposal i.
+      std::size_t emitted = 0;
+      for (std::size_t i = 0; i < n && !stop; ++i) {
+        const std::span<const T> row(all_logits.data() + i * vocab, vocab);
+        bool kept = false;
+        if (i == drafted) {  // every proposal kept: the row after the last gives one more
+          token = pick(row);
+        } else if (greedy) {
+          token = Sampler::argmax(row);
+          kept = token == pass[i + 1];
+        } else {
+          const std::int32_t d = pass[i + 1];
+          detail::sampling_distribution(row, sampling, std::span<double>(p),
+                                        std::span<std::int32_t>(order));
+          std::span<const double> q;
+          if constexpr (requires { drafter.distribution(i); }) q = drafter.distribution(i);
+          const auto ud = static_cast<std::size_t>(d);
+          const double qd = q.empty() ? 1.0 : q[ud];
+          kept = detail::coin(rng) * qd < p[ud];  // probability min(1, p(d) / q(d))
+          if (kept) {
+            token = d;
+          } else {  // residual norm(max(0, p - q)); p itself where it is empty (p ≤ q)
+            double mass = 0;
+            for (std::size_t v = 0; v < vocab; ++v) {
+              const double r = std::max(0.0, p[v] - (q.empty() ? (v == ud ? 1.0 : 0.0) : q[v]));
+              mass += r;
+            }
+            if (mass > 0) {
+              for (std::size_t v = 0; v < vocab; ++v)
+                p[v] = std::max(0.0, p[v] - (q.empty() ? (v == ud ? 1.0 : 0.0) : q[v])) / mass;
+            }
+            token = detail::draw(p, detail::coin(rng));
+          }
+        }
+        ++emitted;
+        if (kept) ++stats.accepted;
+        emit(token);
+        if (!kept) break;
+      }
+      // The store keeps the fed token and the kept proposals that were handed out but the last.
+      speculative_rollback(cache, first + emitted);
+    }
+    stats.decode_ms = ms(Clock::now() - decode_start);
+  }
+  return stats;
+}
+
+}  // namespace kvdecode
