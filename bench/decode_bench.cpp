@@ -28,7 +28,7 @@ void BM_DecodeStepCached(benchmark::State& state) {
   const auto T = static_cast<std::size_t>(state.range(0));
   const auto tokens = bench_tokens(T);
   ContiguousStore<float> cache(model.config(), T);
-  Activations<float> act(model.config(), T);
+  Activations<float> act(model.config(), {.max_chunk = T});
   if (T > 1) model.prefill(std::span<const std::int32_t>(tokens).first(T - 1), cache, act);
   {  // one counted step, outside the timing, for the bytes it streams
     WorkCounters c;
@@ -57,7 +57,7 @@ void BM_DecodeStepUncached(benchmark::State& state) {
   const auto T = static_cast<std::size_t>(state.range(0));
   const auto tokens = bench_tokens(T);
   ContiguousStore<float> cache(model.config(), T);
-  Activations<float> act(model.config(), T);  // one chunk: the fastest recompute
+  Activations<float> act(model.config(), {.max_chunk = T});  // one chunk: the fastest recompute
   {
     WorkCounters c;
     act.counters = &c;

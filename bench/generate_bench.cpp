@@ -26,7 +26,7 @@ void BM_Generate(benchmark::State& state, bool use_cache) {
   const std::vector<std::int32_t> prompt{1};  // BOS, as llama2.c run.c starts
   ContiguousStore<float> cache(model.config());
   // Chunks as long as the sequence, so the uncached recompute is one prefill call per token.
-  Activations<float> act(model.config(), use_cache ? 1 : n);
+  Activations<float> act(model.config(), {.max_chunk = use_cache ? 1 : n});
   // Counting is one closed form per call, so it can stay on inside the timed loop.
   WorkCounters counters;
   act.counters = &counters;

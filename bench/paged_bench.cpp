@@ -108,7 +108,7 @@ void BM_TimeToFirstToken(benchmark::State& state) {
   std::vector<std::int32_t> prompt = system;
   for (const auto t : bench_tokens(32, 4)) prompt.push_back(t);
   BlockPool<float> pool(cfg, 64, 16, BlockPoolOptions{0, cached});
-  Activations<float> act(cfg, 128);
+  Activations<float> act(cfg, {.max_chunk = 128});
   if (cached) {  // an earlier request with the same system prompt and another question
     std::vector<std::int32_t> earlier = system;
     for (const auto t : bench_tokens(20, 5)) earlier.push_back(t);
@@ -193,7 +193,7 @@ void BM_Decode(benchmark::State& state) {
   const Model<float>& model = bench_model();
   const std::vector<std::int32_t> tokens = bench_tokens(context + 1, 6);
   const std::span<const std::int32_t> prompt = std::span<const std::int32_t>(tokens).first(context);
-  Activations<float> prefill_act(cfg, 128), act(cfg);
+  Activations<float> prefill_act(cfg, {.max_chunk = 128}), act(cfg, {.max_chunk = 1});
   DecodeSetup setup(layout, prompt, prefill_act);
   {  // check against the contiguous store
     ContiguousStore<float> ref(cfg);
@@ -279,7 +279,7 @@ void BM_DecodeBatch(benchmark::State& state) {
   }
   for (auto& s : seqs) ptrs.push_back(&s);
   ThreadPool threads(n_threads);
-  Activations<float> act(cfg, 1, 0, n_threads > 1 ? &threads : nullptr, B);
+  Activations<float> act(cfg, {.max_chunk = 1, .max_batch = B, .thread_pool = n_threads > 1 ? &threads : nullptr});
   std::vector<std::int32_t> next(B);
   for (std::size_t b = 0; b < B; ++b) next[b] = static_cast<std::int32_t>(1 + b);
   const std::span<PagedStore<float>* const> stores(ptrs);

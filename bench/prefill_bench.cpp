@@ -33,7 +33,7 @@ void BM_Prefill(benchmark::State& state) {
   const auto pool = make_pool(state.range(1));
   const auto tokens = bench_tokens(P);
   ContiguousStore<float> cache(model.config(), P);
-  Activations<float> act(model.config(), P, 0, pool.get());
+  Activations<float> act(model.config(), {.max_chunk = P, .thread_pool = pool.get()});
   for (auto _ : state) {
     cache.reset();
     benchmark::DoNotOptimize(model.prefill(tokens, cache, act).data());
@@ -47,7 +47,7 @@ void BM_PrefillAsDecode(benchmark::State& state) {
   const auto pool = make_pool(state.range(1));
   const auto tokens = bench_tokens(P);
   ContiguousStore<float> cache(model.config(), P);
-  Activations<float> act(model.config(), 1, 0, pool.get());
+  Activations<float> act(model.config(), {.max_chunk = 1, .thread_pool = pool.get()});
   for (auto _ : state) {
     cache.reset();
     for (const std::int32_t t : tokens)

@@ -236,8 +236,8 @@ void decode_loop(benchmark::State& state, const Model<float, W>& model, std::siz
   const ModelConfig& cfg = model.config();
   ThreadPool* pool = pool_for(threads);
   ContiguousStore<float> cache(cfg);
-  Activations<float> prompt_act(cfg, 64, 0, pool);
-  Activations<float> act(cfg, 1, 0, pool);
+  Activations<float> prompt_act(cfg, {.max_chunk = 64, .thread_pool = pool});
+  Activations<float> act(cfg, {.max_chunk = 1, .thread_pool = pool});
   const auto tokens = [&] {
     std::vector<std::int32_t> t(context + 1);
     for (std::size_t i = 0; i < t.size(); ++i)
@@ -271,7 +271,7 @@ void prefill_loop(benchmark::State& state, const Model<float, W>& model, std::si
   const ModelConfig& cfg = model.config();
   ThreadPool* pool = pool_for(threads);
   ContiguousStore<float> cache(cfg);
-  Activations<float> act(cfg, kPrefillTokens, 0, pool);
+  Activations<float> act(cfg, {.max_chunk = kPrefillTokens, .thread_pool = pool});
   std::vector<std::int32_t> tokens(kPrefillTokens);
   for (std::size_t i = 0; i < tokens.size(); ++i)
     tokens[i] =

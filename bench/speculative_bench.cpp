@@ -63,7 +63,7 @@ void BM_SpeculativeKjv(benchmark::State& state) {
   const std::size_t n_new = std::min<std::size_t>(smoke() ? 16 : 128, room);
   std::unique_ptr<ThreadPool> pool = threads > 1 ? std::make_unique<ThreadPool>(threads) : nullptr;
   ContiguousStore<float> cache(cfg);
-  Activations<float> act(cfg, 16, 0, pool.get());
+  Activations<float> act(cfg, {.max_chunk = 16, .thread_pool = pool.get()});
   const SamplerOptions greedy{.temperature = 0};
   const GenerationOptions options{.max_new_tokens = n_new};
   double plain_ms = 0, spec_ms = 0;
@@ -121,7 +121,7 @@ void BM_SpeculativeBreakEven(benchmark::State& state, std::string target_file,
   const ModelConfig& cfg = target.config();
   std::unique_ptr<ThreadPool> pool = threads > 1 ? std::make_unique<ThreadPool>(threads) : nullptr;
   ContiguousStore<float> cache(cfg), draft_cache(draft.config());
-  Activations<float> act(cfg, 16, 0, pool.get()), draft_act(draft.config(), 16, 0, pool.get());
+  Activations<float> act(cfg, {.max_chunk = 16, .thread_pool = pool.get()}), draft_act(draft.config(), 16, 0, pool.get());
   std::vector<std::int32_t> prompt(32);
   for (std::size_t i = 0; i < prompt.size(); ++i)
     prompt[i] =

@@ -84,7 +84,7 @@ void BM_StoreDecode(benchmark::State& state, typename S::Options options) {
   options.capacity = T + 1;
   S store(cfg, options);
   fill(store, cfg, T);
-  Activations<float> act(cfg, 1, store.block_scratch_size());
+  Activations<float> act(cfg, {.max_chunk = 1, .store_scratch = store.block_scratch_size()});
   const std::int32_t token = 7;
   {  // one counted step, outside the timing: the bytes it streams
     WorkCounters c;

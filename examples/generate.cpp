@@ -474,7 +474,7 @@ int generate_with(const Run& run, const kvdecode::Model<float, W>& model, S& cac
   const ModelConfig& cfg = model.config();
   const Tokenizer& tokenizer = run.src.tokenizer;
   const std::vector<std::int32_t>& prompt = run.prompt;
-  Activations<float> act(cfg, chunk, cache.block_scratch_size(), &pool);
+  Activations<float> act(cfg, {.max_chunk = chunk, .store_scratch = cache.block_scratch_size(), .thread_pool = &pool});
   WorkCounters counters;
   act.counters = &counters;
   SamplerOptions so{o.temperature, o.top_p, o.top_k, run.seed};
@@ -565,7 +565,7 @@ int generate_with(const Run& run, const kvdecode::Model<float, W>& model, S& cac
   }
   std::fprintf(out, "mode               %s, %zu thread(s), prefill chunk %zu\n",
                o.no_cache ? "no cache (full recompute per token)" : "KV cache",
-               act.pool == nullptr ? std::size_t{1} : act.pool->size(), act.max_tokens);
+               act.pool == nullptr ? std::size_t{1} : act.pool->size(), act.max_chunk);
   std::fprintf(out,
                "sampling           temperature %g, top-p %g, top-k %lld, min-p %g, repeat "
                "penalty %g (last %zu), seed %llu\n",
@@ -624,7 +624,7 @@ int chat_with(const Run& run, const kvdecode::Model<float, W>& model, S& cache,
   const Options& o = run.o;
   const ModelConfig& cfg = model.config();
   const Tokenizer& tokenizer = run.src.tokenizer;
-  Activations<float> act(cfg, chunk, cache.block_scratch_size(), &pool);
+  Activations<float> act(cfg, {.max_chunk = chunk, .store_scratch = cache.block_scratch_size(), .thread_pool = &pool});
   SamplerOptions so{o.temperature, o.top_p, o.top_k, run.seed};
   so.min_p = o.min_p;
   so.repeat_penalty = o.repeat_penalty;

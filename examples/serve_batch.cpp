@@ -166,7 +166,7 @@ int run(const Options& o) {
   BlockPool<float> pool(cfg, o.blocks, o.block_size, BlockPoolOptions{0, !o.no_prefix_cache});
   // Batched decode: logits rows and activations for every request that can be in at once.
   const std::size_t max_batch = std::min(o.requests, o.blocks);
-  Activations<float> prefill_act(cfg, 128), decode_act(cfg, 1, 0, nullptr, max_batch);
+  Activations<float> prefill_act(cfg, {.max_chunk = 128}), decode_act(cfg, 1, 0, nullptr, max_batch);
 
   const std::vector<std::int32_t> system = random_ids(o.system, static_cast<std::uint64_t>(o.seed));
   std::vector<Request> requests(o.requests);

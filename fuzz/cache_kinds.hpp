@@ -17,7 +17,7 @@ namespace kvdecode::fuzz {
 inline constexpr int kCacheKinds = 6;
 inline constexpr const char* kCacheKindNames[kCacheKinds] = {"contiguous", "int8",      "q4",
                                                              "window",     "streaming", "paged"};
-inline constexpr std::size_t kMaxTokens = 4;  // Activations max_tokens = the windows' max_chunk
+inline constexpr std::size_t kMaxTokens = 4;  // Activations max_chunk = the windows' max_chunk
 
 /// Calls f(store) with a fresh, empty store of kind k (0 ≤ k < kCacheKinds) for cfg.
 template <class F>

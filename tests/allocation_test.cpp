@@ -19,7 +19,7 @@ template <class T>
 void expect_decode_allocates_nothing(const ModelConfig& cfg) {
   const Model<T> model(random_weights<T>(cfg, 3));
   ContiguousStore<T> cache(cfg);
-  Activations<T> act(cfg);
+  Activations<T> act(cfg, {.max_chunk = 1});
   Sampler sampler(cfg.vocab_size, SamplerOptions{0.8, 0.9, 5, 42});
   const auto tokens =
       testing_util::random_tokens(static_cast<std::size_t>(cfg.seq_len), cfg.vocab_size, 1);

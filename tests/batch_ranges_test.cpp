@@ -31,7 +31,7 @@ TEST(BatchRangesTest, EveryRangeOfStorePointersGivesTheSameLogits) {
     std::array<ContiguousStore<float>, 3> stores{ContiguousStore<float>(cfg),
                                                 ContiguousStore<float>(cfg),
                                                 ContiguousStore<float>(cfg)};
-    Activations<float> act(cfg, 8, 0, nullptr, 3);
+    Activations<float> act(cfg, {.max_chunk = 8, .max_batch = 3});
     auto range = as(stores);
     model.prefill_batch(prompts, lengths, range, act);
     const auto logits = model.decode_batch(next, range, act);
@@ -52,12 +52,12 @@ TEST(BatchRangesTest, EveryRangeOfStorePointersGivesTheSameLogits) {
                                               ContiguousStore<float>(cfg),
                                               ContiguousStore<float>(cfg)};
   ContiguousStore<float>* raw[3] = {&stores[0], &stores[1], &stores[2]};
-  Activations<float> act(cfg, 8, 0, nullptr, 3);
+  Activations<float> act(cfg, {.max_chunk = 8, .max_batch = 3});
   model.prefill_batch(prompts, lengths, raw, act);
   const auto c_array = model.decode_batch(next, raw, act);
   EXPECT_EQ(std::vector<float>(c_array.begin(), c_array.end()), from_vector);
   ContiguousStore<float> alone(cfg);
-  Activations<float> single(cfg, 8);
+  Activations<float> single(cfg, {.max_chunk = 8});
   model.prefill(std::span<const std::int32_t>(prompts).first(5), alone, single);
   // The batch's first sequence against it alone (prefilled in other chunks, so to f32 rounding).
   const auto one = model.decode(next[0], alone, single);

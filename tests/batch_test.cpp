@@ -60,7 +60,7 @@ struct Batch {
 
   Batch(const ModelConfig& cfg, const Model<T>& model, std::size_t n_blocks = 64)
       : pool(Paged ? std::make_unique<BlockPool<T>>(cfg, n_blocks, 4) : nullptr) {
-    Activations<T> act(cfg, 8);
+    Activations<T> act(cfg, {.max_chunk = 8});
     const std::size_t lengths[] = {3, 17, 8, 17, 17};
     for (std::size_t b = 0; b < 5; ++b) {
       if constexpr (Paged) {
@@ -105,9 +105,9 @@ void decode_batch_matches_reference_and_single_decode() {
   Batch<T, Paged> batch(cfg, model);
   const std::size_t B = batch.ptrs.size();
   // The same sequences, decoded one at a time in contiguous stores.
-  Activations<T> single_act(cfg, 8);
+  Activations<T> single_act(cfg, {.max_chunk = 8});
   std::vector<ContiguousStore<T>> singles = batch.singles(cfg, model, single_act);
-  Activations<T> act(cfg, 1, 0, nullptr, B);
+  Activations<T> act(cfg, {.max_chunk = 1, .max_batch = B});
   for (std::size_t step = 0; step < 6; ++step) {
     const Tokens next = random_tokens(B, cfg.vocab_size, 300 + step);
     const auto logits =
@@ -144,7 +144,7 @@ TEST(BatchTest, BatchOfOneEqualsDecodeBitForBit) {
   const Model<float> model(random_weights<float>(cfg, 32));
   const Tokens prompt = random_tokens(21, cfg.vocab_size, 5);
   ContiguousStore<float> a(cfg), b(cfg);
-  Activations<float> act(cfg, 8, 0, nullptr, 4);
+  Activations<float> act(cfg, {.max_chunk = 8, .max_batch = 4});
   model.prefill(prompt, a, act);
   model.prefill(prompt, b, act);
   ContiguousStore<float>* const one[] = {&b};
@@ -162,7 +162,7 @@ TEST(BatchTest, DecodeBatchOnTwoThreadsMatchesReference) {
   const Model<float> model(random_weights<float>(cfg, 33));
   Batch<float, true> batch(cfg, model);
   ThreadPool pool(2);
-  Activations<float> act(cfg, 1, 0, &pool, batch.ptrs.size());
+  Activations<float> act(cfg, {.max_chunk = 1, .max_batch = batch.ptrs.size(), .thread_pool = &pool});
   for (std::size_t step = 0; step < 3; ++step) {
     const Tokens next = random_tokens(batch.ptrs.size(), cfg.vocab_size, 400 + step);
     const auto logits = model.decode_batch(std::span<const std::int32_t>(next),
@@ -200,7 +200,7 @@ void prefill_batch_matches_reference() {
     }
     ptrs.push_back(stores.back().get());
   }
-  Activations<T> act(cfg, 8, 0, nullptr, 4);
+  Activations<T> act(cfg, {.max_chunk = 8, .max_batch = 4});
   const auto logits =
       model.prefill_batch(std::span<const std::int32_t>(all), std::span<const std::size_t>(lengths),
                           std::span<Store* const>(ptrs), act);
@@ -278,7 +278,7 @@ TEST(BatchTest, FullStoreInTheBatchChangesNoStore) {
   const Model<float> model(random_weights<float>(cfg, 35));
   std::vector<std::unique_ptr<ContiguousStore<float>>> owned;
   std::vector<ContiguousStore<float>*> stores;
-  Activations<float> act(cfg, 8, 0, nullptr, 3);
+  Activations<float> act(cfg, {.max_chunk = 8, .max_batch = 3});
   const std::size_t lengths[] = {5, 24, 9};  // sequence 1 is full
   for (std::size_t b = 0; b < 3; ++b) {
     owned.push_back(std::make_unique<ContiguousStore<float>>(cfg));
@@ -303,7 +303,7 @@ TEST(BatchTest, ExhaustedPoolChangesNoSequence) {
   BlockPool<float> pool(cfg, 8, 4, BlockPoolOptions{0, false});
   std::vector<std::unique_ptr<PagedStore<float>>> owned;
   std::vector<PagedStore<float>*> stores;
-  Activations<float> act(cfg, 8, 0, nullptr, 3);
+  Activations<float> act(cfg, {.max_chunk = 8, .max_batch = 3});
   for (std::size_t b = 0; b < 3; ++b) {
     owned.push_back(std::make_unique<PagedStore<float>>(pool));
     stores.push_back(owned.back().get());
@@ -331,7 +331,7 @@ TEST(BatchTest, BadInputsThrowAndChangeNothing) {
   const ModelConfig cfg = small_config(4, 2, 64);
   const Model<float> model(random_weights<float>(cfg, 37));
   ContiguousStore<float> a(cfg), b(cfg);
-  Activations<float> act(cfg, 8, 0, nullptr, 2);
+  Activations<float> act(cfg, {.max_chunk = 8, .max_batch = 2});
   model.prefill(random_tokens(6, cfg.vocab_size, 1), a, act);
   model.prefill(random_tokens(3, cfg.vocab_size, 2), b, act);
   std::vector<ContiguousStore<float>*> stores = {&a, &b};
@@ -364,10 +364,10 @@ TEST(BatchTest, CountersSumTheSequencesAndReadWeightsOnce) {
   const Model<float> model(random_weights<float>(cfg, 38));
   Batch<float, false> batch(cfg, model);
   const std::size_t B = batch.ptrs.size();
-  Activations<float> single_act(cfg, 8);
+  Activations<float> single_act(cfg, {.max_chunk = 8});
   std::vector<ContiguousStore<float>> singles = batch.singles(cfg, model, single_act);
   WorkCounters batched, single;
-  Activations<float> act(cfg, 1, 0, nullptr, B);
+  Activations<float> act(cfg, {.max_chunk = 1, .max_batch = B});
   act.counters = &batched;
   single_act.counters = &single;
   const Tokens next = random_tokens(B, cfg.vocab_size, 900);
@@ -394,7 +394,7 @@ TEST(BatchTest, DecodeBatchAllocatesNothing) {
   const ModelConfig cfg = small_config(4, 2, 64);
   const Model<float> model(random_weights<float>(cfg, 39));
   Batch<float, true> batch(cfg, model);
-  Activations<float> act(cfg, 1, 0, nullptr, batch.ptrs.size());
+  Activations<float> act(cfg, {.max_chunk = 1, .max_batch = batch.ptrs.size()});
   const Tokens next = random_tokens(batch.ptrs.size(), cfg.vocab_size, 1000);
   const auto step = [&] {
     model.decode_batch(std::span<const std::int32_t>(next),

@@ -83,7 +83,7 @@ void reseal_header(std::vector<unsigned char>& b) {
 // The kinds: how to make each store, a variant with other options, and its logit bound against
 // the no-cache reference (the conformance suite's).
 
-constexpr std::size_t kChunk = 8;  // Activations max_tokens, and a window store's max_chunk
+constexpr std::size_t kChunk = 8;  // Activations max_chunk, and a window store's max_chunk
 
 template <class S>
 struct Kind;
@@ -258,8 +258,8 @@ class CacheFileStoreTest : public ::testing::Test {
     fs::remove_all(dir_, ec);
   }
 
-  Activations<float> activations(const S& s) const {
-    return Activations<float>(cfg_, kChunk, s.block_scratch_size());
+  Activations<float> activations(const S& s, {.max_chunk = 1}) const {
+    return Activations<float>(cfg_, {.max_chunk = kChunk, .store_scratch = s.block_scratch_size()});
   }
 
   /// Appends `tokens` in the pieces the store accepts (a window store caps appends).
@@ -547,7 +547,7 @@ TEST_F(CachePoolTest, ForkedSequencesComeBackSharingTheirBlocks) {
   EXPECT_TRUE(rows(snapshot(bystander)) == bystander_rows);
   // Decoding on: b and its restored copy agree bit for bit (a copy-on-write of the shared
   // partial block in both), and a continues unaffected.
-  Activations<float> act2(cfg_, kChunk);
+  Activations<float> act2(cfg_, {.max_chunk = kChunk});
   for (const std::int32_t t : {11, 12, 13, 14, 15}) {
     for (const std::size_t q : {0u, 1u}) {
       const auto x = model_.decode(t, seqs_[q], act_);

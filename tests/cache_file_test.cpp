@@ -163,7 +163,7 @@ TEST_F(CacheFileTest, RestoreThenDecodeGivesTheSameLogitsAsNeverSaving) {
   ASSERT_EQ(restored.size(), 25u);
   EXPECT_TRUE(std::equal(restored.tokens().begin(), restored.tokens().end(), tokens_.begin()));
   EXPECT_TRUE(same_contents(original, restored, 25));
-  Activations<float> act2(cfg_, 8);
+  Activations<float> act2(cfg_, {.max_chunk = 8});
   for (std::size_t p = 25; p < tokens_.size(); ++p) {
     const auto a = model_.decode(tokens_[p], original, act_);
     const std::vector<float> expected(a.begin(), a.end());
@@ -174,7 +174,7 @@ TEST_F(CacheFileTest, RestoreThenDecodeGivesTheSameLogitsAsNeverSaving) {
 
 TEST_F(CacheFileTest, RoundTripsDoubleStoresAndTheEmptyCache) {
   const Model<double> model(kvdecode::random_weights<double>(cfg_, 3));
-  Activations<double> act(cfg_, 8);
+  Activations<double> act(cfg_, {.max_chunk = 8});
   ContiguousStore<double> original(cfg_);
   model.prefill(std::span<const std::int32_t>(tokens_).first(9), original, act);
   kvdecode::save_cache(model, original, file_);
@@ -333,7 +333,7 @@ TEST_F(CacheFileTest, RejectsACacheOfAnotherModel) {
   wider.vocab_size = 60;
   const Model<float> model60(kvdecode::random_weights<float>(wider, 11));
   ContiguousStore<float> s60(wider);
-  Activations<float> act60(wider, 8);
+  Activations<float> act60(wider, {.max_chunk = 8});
   model60.prefill(std::span<const std::int32_t>(tokens_).first(5), s60, act60);
   kvdecode::save_cache(model60, s60, file_);
   expect_rejected(file_, "was saved for another model: vocab_size 60 vs the model's 53");
@@ -446,7 +446,7 @@ TEST_F(CacheFileTest, AWriterKilledMidSaveNeverLeavesAPartialFileUnderTheFinalNa
   big.seq_len = 2048;
   const Model<float> model(kvdecode::random_weights<float>(big, 1));
   ContiguousStore<float> s(big);
-  Activations<float> act(big, 64);
+  Activations<float> act(big, {.max_chunk = 64});
   model.prefill(random_tokens(2000, big.vocab_size, 2), s, act);  // ≈ 1 MiB of payload
   const ModelFingerprint fp = kvdecode::model_fingerprint(model);
   int complete = 0;

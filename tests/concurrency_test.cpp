@@ -32,7 +32,7 @@ struct SequenceRun {
 SequenceRun generate_one(const Model<float>& model, std::uint64_t seed, std::size_t n_new) {
   const ModelConfig& cfg = model.config();
   ContiguousStore<float> store(cfg);
-  Activations<float> act(cfg, 8);
+  Activations<float> act(cfg, {.max_chunk = 8});
   kvdecode::SamplerOptions so;
   so.temperature = 0.9;
   so.seed = seed;
@@ -86,7 +86,7 @@ TEST(ConcurrencyTest, ThreadsPrefillingAndDecodingInLockstepMatchSerial) {
   for (std::size_t t = 0; t < kThreads; ++t) {
     threads.emplace_back([&, t] {
       ContiguousStore<float> store(cfg);
-      Activations<float> act(cfg, 1 + 5 * t);
+      Activations<float> act(cfg, {.max_chunk = 1 + 5 * t});
       const std::size_t split = 10 + 7 * t;
       model.prefill(std::span<const std::int32_t>(prompt).first(split), store, act);
       std::span<const float> out;

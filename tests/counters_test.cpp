@@ -42,7 +42,7 @@ std::uint64_t triangle(std::uint64_t k) {
 WorkCounters run_generate(const Model<double>& model, ContiguousStore<double>& cache,
                           const std::vector<std::int32_t>& prompt, std::size_t n, bool use_cache) {
   const ModelConfig& cfg = model.config();
-  Activations<double> act(cfg, static_cast<std::size_t>(cfg.seq_len));  // one chunk per call
+  Activations<double> act(cfg, {.max_chunk = static_cast<std::size_t>(cfg.seq_len)});  // one chunk per call
   WorkCounters counters;
   act.counters = &counters;
   Sampler sampler(cfg.vocab_size, SamplerOptions{0.0, 0.9, 0, 1});
@@ -128,7 +128,7 @@ TEST(CountersTest, ClosedFormsForNFedTokens) {
   const std::uint64_t p = 7, n = 9;
   const auto seq = random_tokens(p + n, cfg.vocab_size, 2);
   const std::span<const std::int32_t> all(seq);
-  Activations<double> act(cfg, 64);
+  Activations<double> act(cfg, {.max_chunk = 64});
 
   WorkCounters cached;
   act.counters = &cached;
@@ -165,7 +165,7 @@ TEST(CountersTest, DecodeStepWeightBytesAndFlops) {
     const Model<double> model(random_weights<double>(cfg, 7));
     const auto prompt = random_tokens(10, cfg.vocab_size, 3);
     ContiguousStore<double> cache(cfg);
-    Activations<double> act(cfg, 16);
+    Activations<double> act(cfg, {.max_chunk = 16});
     model.prefill(prompt, cache, act);
     WorkCounters c;
     act.counters = &c;
@@ -194,7 +194,7 @@ TEST(CountersTest, Bf16WeightsCountTheirOwnBytes) {
   const Shape s(cfg);
   const Model<float, bf16> model(convert_weights<bf16>(random_weights<float>(cfg, 9)));
   ContiguousStore<float> cache(cfg);
-  Activations<float> act(cfg, 4);
+  Activations<float> act(cfg, {.max_chunk = 4});
   WorkCounters c;
   act.counters = &c;
   model.decode(1, cache, act);
@@ -212,7 +212,7 @@ TEST(CountersTest, ChunkedPrefillCountsTheSameProjectionsAndScores) {
   for (auto [chunk, counters] :
        {std::pair{std::size_t{64}, &whole}, std::pair{std::size_t{8}, &chunked}}) {
     ContiguousStore<double> cache(cfg);
-    Activations<double> act(cfg, chunk);
+    Activations<double> act(cfg, {.max_chunk = chunk});
     act.counters = counters;
     model.prefill(prompt, cache, act);
   }
@@ -233,7 +233,7 @@ TEST(CountersTest, CountingDoesNotChangeResults) {
   std::vector<std::vector<float>> logits[2];
   for (const bool counted : {false, true}) {
     ContiguousStore<float> cache(cfg);
-    Activations<float> act(cfg, 8);
+    Activations<float> act(cfg, {.max_chunk = 8});
     WorkCounters c;
     if (counted) act.counters = &c;
     auto l = model.prefill(prompt, cache, act);
@@ -250,7 +250,7 @@ TEST(CountersTest, FailedCallCountsNothing) {
   const ModelConfig cfg = small_config(4, 2, 4);
   const Model<float> model(random_weights<float>(cfg, 13));
   ContiguousStore<float> cache(cfg);
-  Activations<float> act(cfg, 4);
+  Activations<float> act(cfg, {.max_chunk = 4});
   WorkCounters c;
   act.counters = &c;
   const std::vector<std::int32_t> four{1, 2, 3, 4};
@@ -327,7 +327,7 @@ std::vector<std::uint64_t> run_counted(const Model<float>& model, S& s, std::siz
                                        std::size_t n, std::size_t chunk, WorkCounters& c) {
   const ModelConfig& cfg = model.config();
   const auto seq = random_tokens(p + n, cfg.vocab_size, 4);
-  Activations<float> act(cfg, chunk, s.block_scratch_size());
+  Activations<float> act(cfg, {.max_chunk = chunk, .store_scratch = s.block_scratch_size()});
   act.counters = &c;
   std::vector<std::uint64_t> ends;
   model.prefill(std::span<const std::int32_t>(seq).first(p), s, act);

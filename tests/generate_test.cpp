@@ -63,7 +63,7 @@ Run run_greedy(const Model<T, W>& model, const Tokens& prefix, const Tokens& pro
                bool use_cache = true) {
   const ModelConfig& cfg = model.config();
   ContiguousStore<T> cache(cfg);
-  Activations<T> act(cfg, 8);
+  Activations<T> act(cfg, {.max_chunk = 8});
   if (!prefix.empty()) model.prefill(span_of(prefix), cache, act);
   Sampler sampler(cfg.vocab_size, greedy());
   GenerationOptions opt;
@@ -83,7 +83,7 @@ TEST(GenerateTest, CachedAndUncachedMatchReferenceGreedy) {
   const auto expected = reference_greedy(model.weights(), prompt, 20);
   for (const bool use_cache : {true, false}) {
     ContiguousStore<double> cache(cfg);
-    Activations<double> act(cfg, 8);
+    Activations<double> act(cfg, {.max_chunk = 8});
     Sampler sampler(cfg.vocab_size, greedy());
     Tokens got;
     GenerationOptions opt;
@@ -138,7 +138,7 @@ TEST(GenerateTest, HookSeesTheCacheHoldingExactlyThePrompt) {
   const Tokens prefix = testing_util::random_tokens(3, cfg.vocab_size, 32);
   const Tokens prompt = testing_util::random_tokens(5, cfg.vocab_size, 33);
   ContiguousStore<double> cache(cfg);
-  Activations<double> act(cfg, 4);
+  Activations<double> act(cfg, {.max_chunk = 4});
   model.prefill(span_of(prefix), cache, act);
   Sampler sampler(cfg.vocab_size, greedy());
   GenerationOptions opt;
@@ -187,7 +187,7 @@ TEST(GenerateTest, RunsBf16Weights) {
   EXPECT_EQ(run_greedy(model, prefix, rest, n).tokens, expected);
 
   ContiguousStore<float> cache(cfg);
-  Activations<float> act(cfg, 8);
+  Activations<float> act(cfg, {.max_chunk = 8});
   Sampler sampler(cfg.vocab_size, greedy());
   GenerationOptions opt;
   opt.max_new_tokens = 1;
@@ -246,11 +246,11 @@ TEST(GenerateTest, StreamingWindowTakesAPromptLongerThanItsWindow) {
                          .capacity = n_prompt + n};
   {
     WindowStore<float> s(cfg, wo);
-    Activations<float> act(cfg, 8, s.block_scratch_size());
+    Activations<float> act(cfg, {.max_chunk = 8, .store_scratch = s.block_scratch_size()});
     EXPECT_THROW(model.prefill(span_of(prompt), s, act), Error);  // why the loop must split
   }
   WindowStore<float> cache(cfg, wo);
-  Activations<float> act(cfg, 8, cache.block_scratch_size());
+  Activations<float> act(cfg, {.max_chunk = 8, .store_scratch = cache.block_scratch_size()});
   Sampler sampler(cfg.vocab_size, greedy());
   GenerationOptions opt;
   opt.max_new_tokens = n;
@@ -315,7 +315,7 @@ TEST(GenerateTest, RepetitionPenaltyCoversTheLatestTokens) {
     seq.push_back(best);
   }
   ContiguousStore<double> cache(cfg);
-  Activations<double> act(cfg, 8);
+  Activations<double> act(cfg, {.max_chunk = 8});
   model.prefill(span_of(prefix), cache, act);
   SamplerOptions o = greedy();
   o.repeat_penalty = kPenalty;
@@ -338,7 +338,7 @@ TEST(GenerateTest, StopsAtStopTokenCallbackAndCapacity) {
   const auto greedy_tokens = reference_greedy(model.weights(), prompt, 8);
   const auto run = [&](GenerationOptions opt, std::size_t stop_after) {
     ContiguousStore<double> cache(cfg);
-    Activations<double> act(cfg, 4);
+    Activations<double> act(cfg, {.max_chunk = 4});
     Sampler sampler(cfg.vocab_size, greedy());
     Tokens got;
     const auto st = generate(model, cache, act, span_of(prompt), sampler, opt, [&](std::int32_t t) {
@@ -377,7 +377,7 @@ TEST(GenerateTest, RejectsEmptyPromptAndAPromptPastTheRoomLeft) {
   const ModelConfig cfg = testing_util::small_config(4, 2, 10);
   const Model<float> model(random_weights<float>(cfg, 1));
   ContiguousStore<float> cache(cfg);
-  Activations<float> act(cfg);
+  Activations<float> act(cfg, {.max_chunk = 1});
   Sampler sampler(cfg.vocab_size, SamplerOptions{});
   const Tokens none;
   EXPECT_THROW(generate(model, cache, act, span_of(none), sampler, {}, [](std::int32_t) {}), Error);

@@ -127,7 +127,7 @@ struct LogitCheck {
 std::vector<float> decode_all(const Fixture& f) {
   const ModelConfig& cfg = f.model.config();
   ContiguousStore<float> cache(cfg);
-  Activations<float> act(cfg);
+  Activations<float> act(cfg, {.max_chunk = 1});
   std::vector<float> out;
   out.reserve(kPositions * kVocab);
   for (const std::int32_t token : f.input_ids) {
@@ -157,7 +157,7 @@ TEST(InteropTest, PrefillLogitsMatchRunC) {
   check_fixture_shape(f);
   const ModelConfig& cfg = f.model.config();
   ContiguousStore<float> cache(cfg);
-  Activations<float> act(cfg, kPositions);  // one chunk: all 87 tokens in one matrix product
+  Activations<float> act(cfg, {.max_chunk = kPositions});  // one chunk: all 87 tokens in one matrix product
   std::vector<float> all(kPositions * kVocab);
   const std::span<const float> last =
       f.model.prefill(input_span(f), cache, act, std::span<float>(all));
@@ -177,20 +177,20 @@ TEST(InteropTest, ChunkedPrefillLogitsMatchRunC) {
   {
     // One call, split by the library into chunks of 5 (87 = 17 × 5 + 2).
     ContiguousStore<float> cache(cfg);
-    Activations<float> act(cfg, 5);
+    Activations<float> act(cfg, {.max_chunk = 5});
     std::vector<float> all(kPositions * kVocab);
     f.model.prefill(input_span(f), cache, act, std::span<float>(all));
     EXPECT_EQ(cache.size(), kPositions);
     for (std::size_t p = 0; p < kPositions; ++p) {
       check.compare(std::span<const float>(all).subspan(p * kVocab, kVocab), p, f,
-                    "chunked prefill (one call, max_tokens 5)");
+                    "chunked prefill (one call, max_chunk 5)");
     }
   }
   {
     // Several calls that continue the cache: the prompt, then pieces of 7 tokens, with chunk
-    // boundaries (max_tokens 5) that fall inside the calls.
+    // boundaries (max_chunk 5) that fall inside the calls.
     ContiguousStore<float> cache(cfg);
-    Activations<float> act(cfg, 5);
+    Activations<float> act(cfg, {.max_chunk = 5});
     for (std::size_t done = 0; done < kPositions;) {
       const std::size_t n = done == 0 ? kPromptTokens : std::min<std::size_t>(7, kPositions - done);
       std::vector<float> all(n * kVocab);
@@ -241,7 +241,7 @@ std::vector<std::int32_t> run_generate(const Fixture& f, const SamplerOptions& o
                                        std::size_t chunk) {
   const ModelConfig& cfg = f.model.config();
   ContiguousStore<float> cache(cfg);
-  Activations<float> act(cfg, chunk);
+  Activations<float> act(cfg, {.max_chunk = chunk});
   Sampler sampler(cfg.vocab_size, options);
   GenerationOptions opt;
   opt.max_new_tokens = kGenerated;
@@ -264,7 +264,7 @@ TEST(InteropTest, GreedyGenerateMatchesRunC) {
   const SamplerOptions greedy{0.0, 0.9, 0, 1};
   for (const std::size_t chunk : {std::size_t{1}, std::size_t{5}, kPromptTokens}) {
     EXPECT_EQ(run_generate(f, greedy, chunk), f.generated_ids)
-        << "Activations max_tokens " << chunk;
+        << "Activations max_chunk " << chunk;
   }
 }
 

@@ -69,12 +69,12 @@ TEST_P(ModelKernelSetTest, F32DecodeAndPrefillMatchReference) {
   const std::vector<float> ref = model.forward_reference(tokens);
   ContiguousStore<float> cache(cfg);
   std::vector<float> got(tokens.size() * vocab);
-  Activations<float> big(cfg, 18);
+  Activations<float> big(cfg, {.max_chunk = 18});
   model.prefill(std::span(tokens).first(18), cache, big, std::span(got).first(18 * vocab));
-  Activations<float> few(cfg, 4);
+  Activations<float> few(cfg, {.max_chunk = 4});
   model.prefill(std::span(tokens).subspan(18, 7), cache, few,
                 std::span(got).subspan(18 * vocab, 7 * vocab));
-  Activations<float> one(cfg);
+  Activations<float> one(cfg, {.max_chunk = 1});
   for (std::size_t p = 25; p < tokens.size(); ++p) {
     const auto logits = model.decode(tokens[p], cache, one);
     std::copy(logits.begin(), logits.end(), got.begin() + static_cast<std::ptrdiff_t>(p * vocab));
@@ -90,7 +90,7 @@ std::vector<float> prefill_logits(const Model<float, W>& model, const Tokens& to
                                   std::size_t chunk) {
   const ModelConfig& cfg = model.config();
   ContiguousStore<float> cache(cfg);
-  Activations<float> act(cfg, chunk);
+  Activations<float> act(cfg, {.max_chunk = chunk});
   std::vector<float> all(tokens.size() * static_cast<std::size_t>(cfg.vocab_size));
   model.prefill(tokens, cache, act, all);
   return all;
@@ -147,8 +147,8 @@ TEST_P(ModelKernelSetTest, Bf16BatchedDecodeEqualsDecodeExactly) {
   const Model<float, bf16> model(convert_weights<bf16>(random_weights<float>(cfg, 77)));
   const auto vocab = static_cast<std::size_t>(cfg.vocab_size);
   std::vector<ContiguousStore<float>> stores, singles;
-  Activations<float> one(cfg), batch(cfg, 1, 0, nullptr, 3);
-  Activations<float> prompt_act(cfg, 8);
+  Activations<float> one(cfg, {.max_chunk = 1}), batch(cfg, {.max_chunk = 1, .max_batch = 3});
+  Activations<float> prompt_act(cfg, {.max_chunk = 8});
   for (std::size_t b = 0; b < 3; ++b) {
     stores.emplace_back(cfg);
     singles.emplace_back(cfg);

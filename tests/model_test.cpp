@@ -94,7 +94,7 @@ double run_all_and_compare(const Shape& shape, bool decode) {
   const std::vector<double> ref =
       forward_reference(convert_weights<double>(model.weights()), tokens);
   ContiguousStore<T> cache(cfg);
-  Activations<T> act(cfg, decode ? 1 : 7);
+  Activations<T> act(cfg, {.max_chunk = decode ? 1 : 7});
   const auto vocab = static_cast<std::size_t>(cfg.vocab_size);
   std::vector<T> all(decode ? 0 : n * vocab);
   if (!decode) model.prefill(tokens, cache, act, std::span<T>(all));
@@ -153,7 +153,7 @@ void check_chunkings(double bound) {
   const auto vocab = static_cast<std::size_t>(cfg.vocab_size);
 
   ContiguousStore<T> whole(cfg);
-  Activations<T> big(cfg, 64);
+  Activations<T> big(cfg, {.max_chunk = 64});
   std::vector<T> all(tokens.size() * vocab);
   const std::span<const T> last = model.prefill(tokens, whole, big, std::span<T>(all));
   EXPECT_LE(max_abs_diff(all, ref), bound);
@@ -162,7 +162,7 @@ void check_chunkings(double bound) {
   for (const std::size_t chunk : {std::size_t{1}, std::size_t{3}, std::size_t{7}}) {
     // Chunking inside one prefill call (Activations sized to the chunk) ...
     ContiguousStore<T> inner(cfg);
-    Activations<T> act(cfg, chunk);
+    Activations<T> act(cfg, {.max_chunk = chunk});
     std::vector<T> got(tokens.size() * vocab);
     model.prefill(tokens, inner, act, std::span<T>(got));
     EXPECT_LE(max_abs_diff(got, ref), bound) << "chunk " << chunk;
@@ -189,7 +189,7 @@ void check_chunkings(double bound) {
   // Prefill half, then decode the rest.
   ContiguousStore<T> mixed(cfg);
   model.prefill(std::span<const std::int32_t>(tokens).first(17), mixed, big);
-  Activations<T> one(cfg);
+  Activations<T> one(cfg, {.max_chunk = 1});
   for (std::size_t p = 17; p < tokens.size(); ++p) {
     const std::span<const T> logits = model.decode(tokens[p], mixed, one);
     EXPECT_LE(max_abs_diff(logits, std::span<const T>(ref).subspan(p * vocab, vocab)), bound)
@@ -235,7 +235,7 @@ TEST(GqaTest, EqualsMhaWithRepeatedKvHeads) {
   const Model<double> a(random_weights<double>(gqa_cfg, 11));
   const Model<double> b(std::move(mha));
   ContiguousStore<double> ca(gqa_cfg), cb(mha_cfg);
-  Activations<double> xa(gqa_cfg), xb(mha_cfg);
+  Activations<double> xa(gqa_cfg, {.max_chunk = 1}), xb(mha_cfg);
   EXPECT_EQ(cb.memory_bytes(), ca.memory_bytes() * kv_mul);
   for (const std::int32_t t : random_tokens(24, gqa_cfg.vocab_size, 3)) {
     const auto la = a.decode(t, ca, xa);
@@ -284,7 +284,7 @@ TEST(TruncateTest, RedecodeReproducesEarlierLogits) {
   const Model<float> model(random_weights<float>(cfg, 21));
   const auto tokens = random_tokens(24, cfg.vocab_size, 8);
   ContiguousStore<float> cache(cfg);
-  Activations<float> act(cfg);
+  Activations<float> act(cfg, {.max_chunk = 1});
   std::vector<std::vector<float>> first;
   for (const auto t : tokens) {
     const auto l = model.decode(t, cache, act);
@@ -318,7 +318,7 @@ TEST(CapacityTest, OverflowThrowsAndLeavesCacheIntact) {
   const auto tokens = random_tokens(8, cfg.vocab_size, 1);
   ContiguousStore<float> cache(cfg, 6);
   EXPECT_EQ(cache.capacity(), 6u);
-  Activations<float> act(cfg, 8);
+  Activations<float> act(cfg, {.max_chunk = 8});
   model.prefill(std::span<const std::int32_t>(tokens).first(5), cache, act);
   ContiguousStore<float> before(cfg, 6);
   before.copy_from(cache);
@@ -346,7 +346,7 @@ TEST(ModelTest, OutOfRangeTokenThrowsAndChangesNothing) {
   const ModelConfig cfg = small_config();
   const Model<float> model(random_weights<float>(cfg, 4));
   ContiguousStore<float> cache(cfg);
-  Activations<float> act(cfg, 4);
+  Activations<float> act(cfg, {.max_chunk = 4});
   model.decode(3, cache, act);
   const std::vector<std::int32_t> bad = {1, 2, 53};
   try {
@@ -370,12 +370,12 @@ TEST(ModelTest, MismatchedStoreOrActivationsThrow) {
   const ModelConfig cfg = small_config(4, 2);
   const Model<float> model(random_weights<float>(cfg, 4));
   ContiguousStore<float> other_store(small_config(4, 4));
-  Activations<float> act(cfg);
+  Activations<float> act(cfg, {.max_chunk = 1});
   EXPECT_THROW(model.decode(1, other_store, act), Error);
   ContiguousStore<float> cache(cfg);
   ModelConfig wider = cfg;
   wider.vocab_size = 99;
-  Activations<float> other_act(wider);
+  Activations<float> other_act(wider, {.max_chunk = 1});
   EXPECT_THROW(model.decode(1, cache, other_act), Error);
   EXPECT_EQ(cache.size(), 0u);
 }
@@ -392,7 +392,7 @@ TEST(AttentionTest, StableForLargeScores) {
   const auto tokens = random_tokens(300, cfg.vocab_size, 2);
   const std::vector<double> ref = model.forward_reference(tokens);
   ContiguousStore<double> cache(cfg);
-  Activations<double> act(cfg, 300);
+  Activations<double> act(cfg, {.max_chunk = 300});
   std::vector<double> all(ref.size());
   model.prefill(tokens, cache, act, std::span<double>(all));
   for (const double v : all) ASSERT_TRUE(std::isfinite(v));

@@ -141,7 +141,7 @@ struct LogitCheck {
 std::vector<float> decode_all(const Fixture& f, const OracleCase& c) {
   const ModelConfig& cfg = f.model.config();
   ContiguousStore<float> cache(cfg);
-  Activations<float> act(cfg);
+  Activations<float> act(cfg, {.max_chunk = 1});
   std::vector<float> out;
   out.reserve(c.logits.size());
   for (const std::int32_t token : c.input_ids) {
@@ -156,7 +156,7 @@ std::vector<float> decode_all(const Fixture& f, const OracleCase& c) {
 std::vector<float> prefill_all(const Fixture& f, const OracleCase& c, std::size_t chunk) {
   const ModelConfig& cfg = f.model.config();
   ContiguousStore<float> cache(cfg);
-  Activations<float> act(cfg, chunk);
+  Activations<float> act(cfg, {.max_chunk = chunk});
   std::vector<float> all(c.logits.size());
   f.model.prefill(std::span<const std::int32_t>(c.input_ids), cache, act, std::span<float>(all));
   EXPECT_EQ(cache.size(), c.input_ids.size());
@@ -231,7 +231,7 @@ TEST(OracleTest, GreedyContinuationMatchesPyTorch) {
     check_shape(f, c);
     for (const std::size_t chunk : {std::size_t{1}, std::size_t{16}}) {
       ContiguousStore<float> cache(cfg);
-      Activations<float> act(cfg, chunk);
+      Activations<float> act(cfg, {.max_chunk = chunk});
       Sampler sampler(cfg.vocab_size, greedy);
       GenerationOptions opt;
       opt.max_new_tokens = kNewTokens;

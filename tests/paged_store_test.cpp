@@ -164,7 +164,7 @@ TEST(PagedStoreTest, MatchesContiguousBitForBitUnlessRunsBreakTiles) {
   ContiguousStore<float> contiguous(cfg);
   PagedStore<float> one_run(one_run_pool), small(small_pool), tiled(tile_pool);
   std::vector<PagedStore<float>> fillers;  // each takes one block between two of a sequence's
-  Activations<float> act(cfg, 16);
+  Activations<float> act(cfg, {.max_chunk = 16});
   const auto feed = [&](auto& store, BlockPool<float>* fragment, std::size_t p, std::size_t n) {
     if (fragment != nullptr && store.size() % fragment->block_size() == 0) {
       fillers.emplace_back(*fragment);
@@ -196,7 +196,7 @@ TEST(PagedStoreTest, ForkSharesEveryBlockAndCopiesOnWrite) {
   const ModelConfig cfg = small_config(4, 2, 64);
   const Model<double> model(random_weights<double>(cfg, 11));
   BlockPool<double> pool(cfg, 16, 8);
-  Activations<double> act(cfg, 16);
+  Activations<double> act(cfg, {.max_chunk = 16});
   const Tokens prompt = random_tokens(13, cfg.vocab_size, 1);  // 1 full block + 5 rows
   PagedStore<double> parent(pool);
   model.prefill(prompt, parent, act);
@@ -231,7 +231,7 @@ TEST(PagedStoreTest, TruncateReturnsBlocksAndRollsBack) {
   const ModelConfig cfg = small_config(4, 2, 64);
   const Model<double> model(random_weights<double>(cfg, 12));
   BlockPool<double> pool(cfg, 16, 4);
-  Activations<double> act(cfg, 16);
+  Activations<double> act(cfg, {.max_chunk = 16});
   Tokens tokens = random_tokens(30, cfg.vocab_size, 2);
   PagedStore<double> s(pool);
   model.prefill(tokens, s, act);
@@ -256,7 +256,7 @@ TEST(PagedStoreTest, ExhaustedPoolThrowsAndLeavesEverySequenceIntact) {
   const ModelConfig cfg = small_config(4, 2, 64);
   const Model<double> model(random_weights<double>(cfg, 13));
   BlockPool<double> pool(cfg, 5, 4, BlockPoolOptions{0, false});
-  Activations<double> act(cfg, 16);
+  Activations<double> act(cfg, {.max_chunk = 16});
   PagedStore<double> a(pool), b(pool);
   model.prefill(random_tokens(10, cfg.vocab_size, 3), a, act);  // 3 blocks
   model.prefill(random_tokens(3, cfg.vocab_size, 4), b, act);   // 1 block
@@ -291,7 +291,7 @@ TEST(PagedStoreTest, SecondRequestWithTheSameSystemPromptPrefillsOnlyItsSuffix) 
   const Model<float> model(random_weights<float>(cfg, 21));
   BlockPool<float> pool(cfg, 64, 16);
   BlockPool<float> fresh_pool(cfg, 64, 16, BlockPoolOptions{0, false});
-  Activations<float> act(cfg, 64);
+  Activations<float> act(cfg, {.max_chunk = 64});
   WorkCounters counters;
   act.counters = &counters;
   const Tokens system = random_tokens(256, cfg.vocab_size, 100);
@@ -336,7 +336,7 @@ TEST(PagedStoreTest, WholePromptHitCopiesTheLastBlock) {
   const ModelConfig cfg = small_config(4, 2, 128);
   const Model<double> model(random_weights<double>(cfg, 22));
   BlockPool<double> pool(cfg, 16, 16);
-  Activations<double> act(cfg, 32);
+  Activations<double> act(cfg, {.max_chunk = 32});
   const Tokens prompt = random_tokens(32, cfg.vocab_size, 7);
   PagedStore<double> r1 = PagedStore<double>::open(pool, prompt);
   model.prefill(prompt, r1, act);
@@ -356,7 +356,7 @@ TEST(PagedStoreTest, HashCollisionsNeverMatchADifferentPrefix) {
   const ModelConfig cfg = small_config(4, 2, 64);
   const Model<double> model(random_weights<double>(cfg, 23));
   BlockPool<double> pool(cfg, 128, 4, BlockPoolOptions{0, true, 2});
-  Activations<double> act(cfg, 16);
+  Activations<double> act(cfg, {.max_chunk = 16});
   const Tokens base = random_tokens(16, cfg.vocab_size, 8);
   std::vector<PagedStore<double>> live;
   for (std::uint64_t r = 0; r < 12; ++r) {
@@ -383,7 +383,7 @@ TEST(PagedStoreTest, EvictsTheLeastRecentlyUsedCachedBlocksLastBlockFirst) {
   const ModelConfig cfg = small_config(4, 2, 64);
   const Model<double> model(random_weights<double>(cfg, 24));
   BlockPool<double> pool(cfg, 6, 4);
-  Activations<double> act(cfg, 16);
+  Activations<double> act(cfg, {.max_chunk = 16});
   const Tokens a = random_tokens(13, cfg.vocab_size, 30);  // 3 full blocks + 1 row
   const Tokens b = random_tokens(9, cfg.vocab_size, 31);   // 2 full blocks + 1 row
   std::vector<std::size_t> a_blocks, b_blocks;
@@ -419,7 +419,7 @@ TEST(PagedStoreTest, MultiTurnContinuationPrefillsOnlyTheNewTurn) {
   const ModelConfig cfg = small_config(4, 2, 128);
   const Model<double> model(random_weights<double>(cfg, 25));
   BlockPool<double> pool(cfg, 16, 16);
-  Activations<double> act(cfg, 32);
+  Activations<double> act(cfg, {.max_chunk = 32});
   WorkCounters counters;
   act.counters = &counters;
   Tokens conversation = random_tokens(20, cfg.vocab_size, 40);
@@ -443,7 +443,7 @@ TEST(PagedStoreTest, DecodeAllocatesNothingEvenWhenItTakesABlock) {
   const ModelConfig cfg = small_config(4, 2, 200);
   const Model<float> model(random_weights<float>(cfg, 26));
   BlockPool<float> pool(cfg, 13, 16);
-  Activations<float> act(cfg);
+  Activations<float> act(cfg, {.max_chunk = 1});
   const Tokens tokens = random_tokens(200, cfg.vocab_size, 50);
   PagedStore<float> s = PagedStore<float>::open(pool, tokens);
   model.decode(tokens[0], s, act);  // warm-up outside the counted region

@@ -84,7 +84,7 @@ struct PropertyStore<PagedStore<T>> {
 template <class T>
 struct PropertyStore<WindowStore<T>> {
   static constexpr std::size_t kWindow = 6;
-  static constexpr std::size_t kMaxChunk = 4;  // = the Activations' max_tokens below
+  static constexpr std::size_t kMaxChunk = 4;  // = the Activations' max_chunk below
   struct Holder {
     WindowStore<T> store;
   };
@@ -120,7 +120,7 @@ struct PropertyStore<Int8Store<double>> {
                                        const std::vector<std::int32_t>& tokens) {
     const ModelConfig& cfg = model.config();
     Int8Store<double> fresh(cfg, tokens.size());
-    Activations<double> act(cfg, tokens.size(), fresh.block_scratch_size());
+    Activations<double> act(cfg, {.max_chunk = tokens.size(), .store_scratch = fresh.block_scratch_size()});
     std::vector<double> logits(tokens.size() * static_cast<std::size_t>(cfg.vocab_size));
     model.prefill(tokens, fresh, act, std::span<double>(logits));
     return logits;
@@ -172,7 +172,7 @@ TYPED_TEST(PropertyTest, RandomOperationsMatchTheNoCacheRecompute) {
   const auto vocab = static_cast<std::size_t>(cfg.vocab_size);
   const auto holder = Traits::make(cfg, capacity);
   Store& store = holder->store;
-  Activations<T> act(cfg, 4, store.block_scratch_size());  // chunks of 4: prefill splits longer
+  Activations<T> act(cfg, {.max_chunk = 4, .store_scratch = store.block_scratch_size()});  // chunks of 4: prefill splits longer
   kvdecode::detail::SplitMix64 rng(seed);
   const auto below = [&](std::size_t n) { return static_cast<std::size_t>(rng.next() % n); };
   const auto random_token = [&] { return static_cast<std::int32_t>(below(vocab)); };

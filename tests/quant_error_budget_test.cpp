@@ -109,7 +109,7 @@ void expect_attention_within_bound(const char* name,
   const std::size_t n_ctx = 120, hs = static_cast<std::size_t>(cfg.head_size());
   const auto dim = static_cast<std::size_t>(cfg.dim);
   ContiguousStore<float> c(cfg, n_ctx);
-  Activations<float> act(cfg, 16, 0);
+  Activations<float> act(cfg, {.max_chunk = 16});
   model.prefill(random_tokens(n_ctx, cfg.vocab_size, 11), c, act);
   S s(cfg, n_ctx);
   copy_rows(c, n_ctx, s);
@@ -199,7 +199,7 @@ template <class S>
 std::vector<std::int32_t> greedy(const Model<float>& m, S& s,
                                  const std::vector<std::int32_t>& prompt, std::size_t n_gen,
                                  std::vector<float>* logits_out) {
-  Activations<float> act(m.config(), 16, s.block_scratch_size());
+  Activations<float> act(m.config(), {.max_chunk = 16, .store_scratch = s.block_scratch_size()});
   std::vector<std::int32_t> out;
   auto logits = m.prefill(prompt, s, act);
   for (std::size_t i = 0; i < n_gen; ++i) {
@@ -219,7 +219,7 @@ Metrics measure(const char* model_name, const char* store_name, const Model<floa
   // Teacher forcing: the quantized cache runs the f32 greedy stream.
   std::vector<float> q_logits;
   {
-    Activations<float> act(m.config(), 16, teacher.block_scratch_size());
+    Activations<float> act(m.config(), {.max_chunk = 16, .store_scratch = teacher.block_scratch_size()});
     auto l = m.prefill(prompt, teacher, act);
     for (std::size_t i = 0; i < n_gen; ++i) {
       q_logits.insert(q_logits.end(), l.begin(), l.end());

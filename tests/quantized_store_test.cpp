@@ -291,7 +291,7 @@ void expect_logits_over_own_kv(Store& s, double tolerance, RowBound&& row_bound)
   const auto vocab = static_cast<std::size_t>(cfg.vocab_size);
   const auto kv_dim = static_cast<std::size_t>(cfg.kv_dim());
   const auto n_layers = static_cast<std::size_t>(cfg.n_layers);
-  Activations<T> act(cfg, 11, s.block_scratch_size());
+  Activations<T> act(cfg, {.max_chunk = 11, .store_scratch = s.block_scratch_size()});
   std::vector<std::vector<double>> own_k(n_layers), own_v(n_layers);  // [layer][index × kv_dim]
   double worst = 0;
   const auto check = [&](std::span<const T> logits, std::size_t p) {

@@ -126,7 +126,7 @@ RunResult run(const Model<T>& model, typename Setup<T>::Kind kind, const Tokens&
   const GenerationOptions gen{.max_new_tokens = n_new};
   const SamplerOptions greedy{.temperature = 0};
   const auto go = [&](auto& store, std::span<const std::int32_t> rest) {
-    Activations<T> act(cfg, Setup<T>::kMaxDraft + 1, store.block_scratch_size());
+    Activations<T> act(cfg, {.max_chunk = Setup<T>::kMaxDraft + 1, .store_scratch = store.block_scratch_size()});
     const auto on_token = [&](std::int32_t t) { result.tokens.push_back(t); };
     if (speculate) {
       auto drafter = make_drafter();
@@ -144,7 +144,7 @@ RunResult run(const Model<T>& model, typename Setup<T>::Kind kind, const Tokens&
     using S = std::remove_cvref_t<decltype(store)>;
     if constexpr (std::is_same_v<S, PagedStore<T>>) {
       const std::size_t prefix_len = 6;  // blocks of 4: the fork shares a partial block
-      Activations<T> act(cfg, 8);
+      Activations<T> act(cfg, {.max_chunk = 8});
       model.prefill(std::span<const std::int32_t>(prompt).first(prefix_len), store, act);
       const auto before = rows_of(store);
       PagedStore<T> fork = store.fork();
@@ -194,7 +194,7 @@ TYPED_TEST(SpeculativeGreedyTest, EqualsPlainGreedyOnEveryStoreAndDrafter) {
       SCOPED_TRACE(d == 0 ? "prompt lookup" : d == 1 ? "draft = target" : "random draft model");
       // The draft model's own store and Activations outlive the run.
       ContiguousStore<T> draft_store(cfg);
-      Activations<T> draft_act(cfg, 8);
+      Activations<T> draft_act(cfg, {.max_chunk = 8});
       const Model<T>& draft_model = d == 1 ? target : other;
       RunResult spec;
       if (d == 0) {
@@ -232,7 +232,7 @@ TYPED_TEST(SpeculativeGreedyTest, StopsLikeGenerateAtAStopTokenAndAFullCache) {
   for (const std::size_t capacity : {std::size_t{20}, std::size_t{40}}) {
     Tokens plain_tokens, spec_tokens;
     ContiguousStore<T> a(cfg, capacity), b(cfg, capacity);
-    Activations<T> act(cfg, 5);
+    Activations<T> act(cfg, {.max_chunk = 5});
     Sampler sampler(cfg.vocab_size, {.temperature = 0});
     const GenerationOptions gen{.max_new_tokens = 100};
     const GenerationStats ps = generate(model, a, act, prompt, sampler, gen,
@@ -391,7 +391,7 @@ TEST(SpeculativeSamplingTest, KeepsTheTargetDistribution) {
     std::map<std::size_t, std::size_t> observed;
     std::size_t drafted = 0, accepted = 0;
     ContiguousStore<double> store(cfg), draft_store(cfg);
-    Activations<double> act(cfg, 4), draft_act(cfg, 4);
+    Activations<double> act(cfg, {.max_chunk = 4}), draft_act(cfg, 4);
     const SamplerOptions draft_sampling{.temperature = sc.drafter == 1 ? 1.3 : 0.0, .top_p = 1.0};
     for (std::size_t r = 0; r < runs; ++r) {
       store.reset();
@@ -453,7 +453,7 @@ TEST(SpeculativeQ4Test, AChunkPastTheCapReadsDifferentlyFromDecoding) {
   // After one token, the group of 4 ends at position 3: the cap is 2 positions.
   const auto chunk_logits = [&](std::size_t n) {
     Q4Store<double> s(cfg, 20, 4);
-    Activations<double> act(cfg, 8, s.block_scratch_size());
+    Activations<double> act(cfg, {.max_chunk = 8, .store_scratch = s.block_scratch_size()});
     model.prefill(std::span<const std::int32_t>(tokens).first(1), s, act);
     EXPECT_EQ(speculative_append_limit(s), 2u);
     std::vector<double> all(n * vocab);
@@ -492,7 +492,7 @@ ModelConfig tiny_config() {
 template <class S, class Make>
 std::vector<double> decoded_logits(const Model<double>& model, const Tokens& tokens, Make&& make) {
   S fresh = make();
-  Activations<double> act(model.config(), 1, fresh.block_scratch_size());
+  Activations<double> act(model.config(), {.max_chunk = 1, .store_scratch = fresh.block_scratch_size()});
   const auto vocab = static_cast<std::size_t>(model.config().vocab_size);
   std::vector<double> out;
   out.reserve(tokens.size() * vocab);
@@ -510,7 +510,7 @@ TEST(SpeculativePropertyTest, RandomVerifyAndRollbackMatchTheRecompute) {
   const Model<double> model(random_weights<double>(cfg, seed ^ 0xABCD));
   const auto vocab = static_cast<std::size_t>(cfg.vocab_size);
   const std::size_t capacity = 20;
-  const std::size_t max_pass = 5;  // the Activations' max_tokens: k ≤ 4
+  const std::size_t max_pass = 5;  // the Activations' max_chunk: k ≤ 4
   std::printf("speculative property run: seed %llu, %llu steps per store\n",
               static_cast<unsigned long long>(seed), static_cast<unsigned long long>(steps));
 
@@ -518,7 +518,7 @@ TEST(SpeculativePropertyTest, RandomVerifyAndRollbackMatchTheRecompute) {
     SCOPED_TRACE(name);
     detail::SplitMix64 rng(seed);
     const auto below = [&](std::size_t n) { return static_cast<std::size_t>(rng.next() % n); };
-    Activations<double> act(cfg, max_pass, store.block_scratch_size());
+    Activations<double> act(cfg, {.max_chunk = max_pass, .store_scratch = store.block_scratch_size()});
     Tokens expected(store.tokens().begin(), store.tokens().end());
     std::vector<double> all(max_pass * vocab);
     std::size_t verifies = 0, dropped_total = 0;
@@ -616,7 +616,7 @@ TEST(SpeculativePropertyTest, RandomVerifyAndRollbackMatchTheRecompute) {
     // block); the parent's rows must stay as they were through every step.
     BlockPool<double> pool(cfg, 16, 3, {.max_seq_len = capacity});
     PagedStore<double> parent(pool);
-    Activations<double> act(cfg, 4);
+    Activations<double> act(cfg, {.max_chunk = 4});
     model.prefill(Tokens{3, 1, 4, 1}, parent, act);
     const auto before = rows_of(parent);
     PagedStore<double> s = parent.fork();

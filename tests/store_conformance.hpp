@@ -240,7 +240,7 @@ TYPED_TEST_P(StoreConformance, DecodeThroughTheStoreMatchesReference) {
   const std::vector<Scalar> ref = model.forward_reference(tokens);
   auto holder = TestFixture::Traits::make(cfg, 40);
   auto& s = holder->store();
-  Activations<Scalar> act(cfg, 8, s.block_scratch_size());
+  Activations<Scalar> act(cfg, {.max_chunk = 8, .store_scratch = s.block_scratch_size()});
   const auto vocab = static_cast<std::size_t>(cfg.vocab_size);
   // A prefill of 11 tokens, then one at a time.
   model.prefill(std::span<const std::int32_t>(tokens).first(11), s, act);

@@ -42,7 +42,7 @@ void expect_pool_decode_bit_identical(const Model<float, W>& model) {
   const ModelConfig& cfg = model.config();
   const auto tokens = random_tokens(static_cast<std::size_t>(cfg.seq_len), cfg.vocab_size, 5);
   ContiguousStore<float> plain_cache(cfg);
-  Activations<float> plain(cfg);
+  Activations<float> plain(cfg, {.max_chunk = 1});
   std::vector<std::vector<float>> expected;
   for (const auto t : tokens) {
     const auto l = model.decode(t, plain_cache, plain);
@@ -51,7 +51,7 @@ void expect_pool_decode_bit_identical(const Model<float, W>& model) {
   for (const std::size_t threads : {1, 2, 3}) {
     ThreadPool pool(threads);
     ContiguousStore<float> cache(cfg);
-    Activations<float> act(cfg, 1, 0, &pool);
+    Activations<float> act(cfg, {.max_chunk = 1, .thread_pool = &pool});
     for (std::size_t p = 0; p < tokens.size(); ++p) {
       const auto l = model.decode(tokens[p], cache, act);
       ASSERT_TRUE(std::equal(l.begin(), l.end(), expected[p].begin()))
@@ -80,7 +80,7 @@ TEST(ThreadsTest, PoolPrefillMatchesReference) {
   for (const std::size_t threads : {1, 2, 3}) {
     ThreadPool pool(threads);
     ContiguousStore<float> cache(cfg);
-    Activations<float> act(cfg, 16, 0, &pool);  // chunks of 16: 16, 16, 8
+    Activations<float> act(cfg, {.max_chunk = 16, .thread_pool = &pool});  // chunks of 16: 16, 16, 8
     std::vector<float> all(ref.size());
     model.prefill(tokens, cache, act, std::span<float>(all));
     EXPECT_LE(max_abs_diff(all, ref), 1e-5 * (1 + scale)) << threads << " threads";
@@ -91,7 +91,7 @@ TEST(ThreadsTest, ActivationsRejectALargerPoolThanTheyWereSizedFor) {
   const ModelConfig cfg = threaded_config();
   const Model<float> model(random_weights<float>(cfg, 4));
   ContiguousStore<float> cache(cfg);
-  Activations<float> act(cfg);  // sized for one thread
+  Activations<float> act(cfg, {.max_chunk = 1});  // sized for one thread
   ThreadPool pool(2);
   act.pool = &pool;
   EXPECT_THROW(model.decode(1, cache, act), Error);
@@ -179,7 +179,7 @@ TEST(Bf16ModelTest, DecodeFollowsTheBf16RuleOnRoundedWeights) {
   for (const std::size_t threads : {1, 2}) {
     ThreadPool pool(threads);
     ContiguousStore<float> cache(cfg);
-    Activations<float> act(cfg, 1, 0, &pool);
+    Activations<float> act(cfg, {.max_chunk = 1, .thread_pool = &pool});
     testing_util::DoubleCache ref_cache(cfg);
     std::vector<double> errors;
     for (std::size_t p = 0; p < tokens.size(); ++p) {
@@ -206,7 +206,7 @@ TEST(Bf16ModelTest, PrefillFollowsTheBf16RuleOnRoundedWeights) {
   const auto vocab = static_cast<std::size_t>(cfg.vocab_size);
   for (const std::size_t chunk : {std::size_t{5}, std::size_t{32}}) {  // gemm_few and gemm_cols
     ContiguousStore<float> cache(cfg);
-    Activations<float> act(cfg, chunk);
+    Activations<float> act(cfg, {.max_chunk = chunk});
     std::vector<float> all(tokens.size() * vocab);
     bf.prefill(tokens, cache, act, std::span<float>(all));
     std::vector<double> errors;
@@ -228,7 +228,7 @@ TEST(Bf16ModelTest, LogitsWithinDerivedBoundOfF32Model) {
   const double m = 7.0 * static_cast<double>(cfg.n_layers) + 1;
   const auto tokens = random_tokens(static_cast<std::size_t>(cfg.seq_len), cfg.vocab_size, 7);
   ContiguousStore<float> cb(cfg), cf(cfg);
-  Activations<float> ab(cfg), af(cfg);
+  Activations<float> ab(cfg, {.max_chunk = 1}), af(cfg, {.max_chunk = 1});
   double worst = 0;
   for (const auto t : tokens) {
     const auto lb = bf.decode(t, cb, ab);
@@ -240,7 +240,7 @@ TEST(Bf16ModelTest, LogitsWithinDerivedBoundOfF32Model) {
               m * 2 * u);
 
   ContiguousStore<float> pb(cfg), pf(cfg);
-  Activations<float> xb(cfg, 32), xf(cfg, 32);
+  Activations<float> xb(cfg, {.max_chunk = 32}), xf(cfg, {.max_chunk = 32});
   const auto vocab = static_cast<std::size_t>(cfg.vocab_size);
   std::vector<float> all_b(tokens.size() * vocab), all_f(all_b.size());
   bf.prefill(tokens, pb, xb, std::span<float>(all_b));

@@ -85,7 +85,7 @@ void run_trained_window(const Model<T>& model, std::span<const std::int32_t> tok
   const auto vocab = static_cast<std::size_t>(cfg.vocab_size);
   const std::vector<T> ref = forward_reference(model.weights(), tokens, window);
   WindowStore<T> s(cfg, {.window = window, .max_chunk = chunk, .capacity = tokens.size()});
-  Activations<T> act(cfg, chunk, s.block_scratch_size());
+  Activations<T> act(cfg, {.max_chunk = chunk, .store_scratch = s.block_scratch_size()});
   const std::string what = "W=" + std::to_string(window) + " chunk=" + std::to_string(chunk);
   std::vector<T> logits(chunk * vocab);
   for (std::size_t p = 0; p < n_prefill; p += chunk) {
@@ -132,7 +132,7 @@ TEST(WindowStoreTest, CancelAndRollbackAfterEviction) {
   const auto vocab = static_cast<std::size_t>(cfg.vocab_size);
   const std::vector<float> ref = forward_reference(model.weights(), tokens, 6);
   WindowStore<float> s(cfg, {.window = 6, .max_chunk = 4, .capacity = 64});
-  Activations<float> act(cfg, 4, 0);
+  Activations<float> act(cfg, {.max_chunk = 4});
   const std::span<const std::int32_t> t(tokens);
   for (std::size_t p = 0; p < 24; p += 4) model.prefill(t.subspan(p, 4), s, act);
   // A failed chunk: junk rows written to every layer, then cancelled.
@@ -214,7 +214,7 @@ TEST(WindowStoreTest, EveryChunkCombinationMatchesTheReferenceOrThrows) {
                   " chunk=" + std::to_string(chunk) + " n=" + std::to_string(n);
               {
                 WindowStore<float> s(cfg, o);
-                Activations<float> act(cfg, chunk, s.block_scratch_size());
+                Activations<float> act(cfg, {.max_chunk = chunk, .store_scratch = s.block_scratch_size()});
                 try {
                   const auto logits = model.prefill(tokens, s, act);
                   expect_logits_near<float>(logits, ref, last, vocab, 2e-5, what + " (prefill)");
@@ -234,7 +234,7 @@ TEST(WindowStoreTest, EveryChunkCombinationMatchesTheReferenceOrThrows) {
                 }
               }
               WindowStore<float> s(cfg, o);
-              Activations<float> act(cfg, chunk, s.block_scratch_size());
+              Activations<float> act(cfg, {.max_chunk = chunk, .store_scratch = s.block_scratch_size()});
               const auto logits = feed_by_max_append(model, s, act, tokens);
               expect_logits_near<float>(logits, ref, last, vocab, 2e-5, what + " (max_append)");
             }
@@ -247,7 +247,7 @@ TEST(WindowStoreTest, AnAppendThatWrapsTheRingIsRefusedNamingMaxChunk) {
   const ModelConfig cfg = small_config(4, 2, 64);
   const Model<float> model(random_weights<float>(cfg, 3));
   WindowStore<float> s(cfg, {.window = 16, .max_chunk = 1});
-  Activations<float> act(cfg, 64, s.block_scratch_size());
+  Activations<float> act(cfg, {.max_chunk = 64, .store_scratch = s.block_scratch_size()});
   const auto tokens = random_tokens(44, cfg.vocab_size, 4);
   try {
     (void)model.prefill(tokens, s, act);
@@ -280,7 +280,7 @@ TEST(WindowStoreTest, BeforeItFillsTheStoreMatchesThePlainCache) {
       // S + W = 28 > 24 tokens: nothing is evicted or re-rotated.
       WindowStore<float> s(cfg, {.window = 24, .sinks = S, .policy = policy, .max_chunk = 8});
       ContiguousStore<float> plain(cfg);
-      Activations<float> act(cfg, 8, s.block_scratch_size()), plain_act(cfg, 8, 0);
+      Activations<float> act(cfg, {.max_chunk = 8, .store_scratch = s.block_scratch_size()}), plain_act(cfg, 8, 0);
       const auto first = std::span<const std::int32_t>(tokens).first(8);
       std::vector<float> got(8 * vocab), want(8 * vocab);
       model.prefill(first, s, act, got);
@@ -342,7 +342,7 @@ TEST(WindowStoreTest, StreamingPositionsMatchAFreshForwardOverTheKeptTokens) {
                                .policy = WindowPolicy::kStreaming,
                                .max_chunk = 8,
                                .capacity = n});
-    Activations<float> act(cfg, 8, s.block_scratch_size());
+    Activations<float> act(cfg, {.max_chunk = 8, .store_scratch = s.block_scratch_size()});
     const std::size_t bytes = s.memory_bytes();
     model.prefill(std::span<const std::int32_t>(tokens).first(8), s, act);
     for (std::size_t q = 8; q < n; ++q) {
@@ -370,12 +370,12 @@ TEST(WindowStoreTest, StreamingLayerZeroKeysEqualAFreshCacheOfTheKeptTokens) {
   WindowStore<double> s(
       cfg,
       {.window = W, .sinks = S, .policy = WindowPolicy::kStreaming, .max_chunk = 1, .capacity = n});
-  Activations<double> act(cfg, 1, s.block_scratch_size());
+  Activations<double> act(cfg, {.max_chunk = 1, .store_scratch = s.block_scratch_size()});
   for (std::size_t q = 0; q < n; ++q) {
     (void)model.decode(tokens[q], s, act);
     const auto k = kept(tokens, q, S, W);
     ContiguousStore<double> fresh(cfg, k.size());
-    Activations<double> fa(cfg, 1, 0);
+    Activations<double> fa(cfg, {.max_chunk = 1});
     for (const std::int32_t token : k) (void)model.decode(token, fresh, fa);
     for (std::size_t h = 0; h < 2; ++h) {
       const auto g = gather(s, 0, h, q + 1);

@@ -1,4 +1,4 @@
-// Activations<T>: every buffer one forward step of up to max_tokens tokens writes, allocated at
+// Activations<T>: every buffer one forward step of up to max_chunk tokens writes, allocated at
 // construction so that decode allocates nothing. One per thread of decoding; the Model is shared.
 #pragma once
 
@@ -9,6 +9,7 @@
 
 #include "kvdecode/aligned_buffer.hpp"
 #include "kvdecode/attention.hpp"
+#include "kvdecode/error.hpp"
 #include "kvdecode/detail/gemm.hpp"
 #include "kvdecode/model_config.hpp"
 #include "kvdecode/thread_pool.hpp"
@@ -27,25 +28,42 @@ struct BatchSegment {
 };
 }  // namespace detail
 
+/// What an Activations is sized for.
+struct ActivationsOptions {
+  /// Tokens one forward pass runs: prefill splits longer inputs into chunks of this many.
+  /// Larger chunks read each weight once for more tokens; the scratch grows with it.
+  std::size_t max_chunk = 64;
+  /// Sequences a decode_batch / prefill_batch may run at once (logits rows for each; the chunk
+  /// is raised to at least this, so a batched decode step is one pass).
+  std::size_t max_batch = 1;
+  /// The store's block_scratch_size() (0 for stores that read in place).
+  std::size_t store_scratch = 0;
+  /// The threads every step runs on (not owned; kept alive as long as these Activations are
+  /// used); nullptr runs everything on the caller.
+  ThreadPool* thread_pool = nullptr;
+};
+
 template <class T>
 struct Activations {
+  /// The most tokens and sequences any size option may ask for: a bound that keeps every buffer
+  /// size well inside 64 bits for any config a checkpoint may hold.
+  static constexpr std::size_t kMaxChunk = std::size_t{1} << 20;
+
   Activations() = default;
-  /// Scratch for chunks of up to max_tokens tokens (prefill splits longer prompts into chunks);
-  /// store_scratch is the store's block_scratch_size() (0 for ContiguousStore). thread_pool,
-  /// when given, runs the projections and attention of every step on all its threads; the
-  /// caller keeps it alive as long as these Activations are used (nullptr = one thread).
-  /// max_batch_size > 1 sizes them for Model::decode_batch / prefill_batch of up to that many
-  /// sequences: logits rows for each, and max_tokens raised to at least max_batch_size so a
-  /// batched decode step is one chunk.
-  explicit Activations(const ModelConfig& cfg, std::size_t max_chunk = 1,
-                       std::size_t store_scratch = 0, ThreadPool* thread_pool = nullptr,
-                       std::size_t max_batch_size = 1)
-      : max_tokens(std::max({max_chunk, max_batch_size, std::size_t{1}})),
-        max_batch(std::max(max_batch_size, std::size_t{1})),
-        pool(thread_pool),
-        n_threads(thread_pool == nullptr ? 1 : thread_pool->size()) {
+  /// Scratch for the model cfg sized as `options` says (see ActivationsOptions). Throws Error,
+  /// allocating nothing, for a chunk or batch of 0 or above kMaxChunk.
+  explicit Activations(const ModelConfig& cfg, const ActivationsOptions& options = {})
+      : max_chunk(std::max(options.max_chunk, options.max_batch)),
+        max_batch(options.max_batch),
+        pool(options.thread_pool),
+        n_threads(options.thread_pool == nullptr ? 1 : options.thread_pool->size()) {
+    KVDECODE_CHECK(options.max_chunk >= 1 && options.max_chunk <= kMaxChunk,
+                   "Activations: max_chunk ", options.max_chunk, ", expected 1 to ", kMaxChunk);
+    KVDECODE_CHECK(options.max_batch >= 1 && options.max_batch <= kMaxChunk,
+                   "Activations: max_batch ", options.max_batch, ", expected 1 to ", kMaxChunk);
+    const std::size_t store_scratch = options.store_scratch;
     cfg.validate();
-    const std::size_t n = this->max_tokens;
+    const std::size_t n = this->max_chunk;
     const auto dim = static_cast<std::size_t>(cfg.dim);
     const auto kv_dim = static_cast<std::size_t>(cfg.kv_dim());
     const auto hidden = static_cast<std::size_t>(cfg.hidden_dim);
@@ -72,25 +90,25 @@ struct Activations {
     }
   }
 
-  std::size_t max_tokens = 1;
+  std::size_t max_chunk = 1;      // tokens one pass runs (≥ max_batch)
   std::size_t max_batch = 1;      // sequences a decode_batch / prefill_batch may run at once
-  AlignedBuffer<T> x;             // [max_tokens][dim]         residual stream
-  AlignedBuffer<T> xb;            // [max_tokens][dim]         normed input / projection output
-  AlignedBuffer<T> q;             // [max_tokens][dim]         rotated queries
-  AlignedBuffer<T> k;             // [max_tokens][kv_dim]      rotated keys of the new tokens
-  AlignedBuffer<T> v;             // [max_tokens][kv_dim]      values of the new tokens
-  AlignedBuffer<T> att;           // [max_tokens][dim]         attention output, heads side by side
-  AlignedBuffer<T> hb;            // [max_tokens][hidden_dim]  FFN gate, then silu(gate) ⊙ up
-  AlignedBuffer<T> hb2;           // [max_tokens][hidden_dim]  FFN up
-  AlignedBuffer<T> rope_cos;      // [max_tokens][head_size/2] RoPE angles of each new token
-  AlignedBuffer<T> rope_sin;      // [max_tokens][head_size/2]
+  AlignedBuffer<T> x;             // [max_chunk] [dim]         residual stream
+  AlignedBuffer<T> xb;            // [max_chunk] [dim]         normed input / projection output
+  AlignedBuffer<T> q;             // [max_chunk] [dim]         rotated queries
+  AlignedBuffer<T> k;             // [max_chunk] [kv_dim]      rotated keys of the new tokens
+  AlignedBuffer<T> v;             // [max_chunk] [kv_dim]      values of the new tokens
+  AlignedBuffer<T> att;           // [max_chunk] [dim]         attention output, heads side by side
+  AlignedBuffer<T> hb;            // [max_chunk] [hidden_dim]  FFN gate, then silu(gate) ⊙ up
+  AlignedBuffer<T> hb2;           // [max_chunk] [hidden_dim]  FFN up
+  AlignedBuffer<T> rope_cos;      // [max_chunk] [head_size/2] RoPE angles of each new token
+  AlignedBuffer<T> rope_sin;      // [max_chunk] [head_size/2]
   AlignedBuffer<T> logits;        // [vocab_size]              logits of the last token
   AlignedBuffer<T> batch_logits;  // [max_batch][vocab_size] last-token logits of each sequence
-  std::vector<detail::BatchSegment> segments;  // [max_tokens] of the chunk being run (batches)
+  std::vector<detail::BatchSegment> segments;  // [max_chunk]  of the chunk being run (batches)
   AttentionScratch<T> attention;
-  std::size_t panel_stride = 0;  // kPanelRows × max(dim, hidden_dim) when max_tokens > 1, else 0
+  std::size_t panel_stride = 0;  // kPanelRows × max(dim, hidden_dim) when max_chunk > 1, else 0
   AlignedBuffer<T> panels;       // [n_threads][kPanelRows][max(dim, hidden_dim)] widened weights
-  AlignedBuffer<T> x_rounded;    // [max_tokens][max(dim, hidden_dim)] input rounded to bf16
+  AlignedBuffer<T> x_rounded;    // [max_chunk] [max(dim, hidden_dim)] input rounded to bf16
   /// The threads every step runs on (not owned); nullptr runs everything on the caller.
   ThreadPool* pool = nullptr;
   /// Threads the per-thread scratch was sized for: a pool set later may have at most this many.

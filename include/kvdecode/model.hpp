@@ -78,7 +78,7 @@ class Model {
   /// Runs tokens after what the cache already holds (a prompt, a chunk of one, or a new turn),
   /// appending their K/V, and returns the logits of the last token. When all_logits is given it
   /// must hold tokens.size() × vocab_size values and receives every position's logits.
-  /// Longer inputs than act.max_tokens run in chunks of act.max_tokens.
+  /// Longer inputs than act.max_chunk run in chunks of act.max_chunk.
   template <KvStore S>
   std::span<const T> prefill(std::span<const std::int32_t> tokens, S& cache, Activations<T>& act,
                              std::span<T> all_logits = {}) const {
@@ -106,7 +106,7 @@ class Model {
 
   /// Prefill of B = stores.size() prompts (or continuations) at once: sequence b's tokens are
   /// the next lengths[b] of `tokens` (prompts concatenated in order), run after what *stores[b]
-  /// holds. Inputs longer than act.max_tokens run in chunks of act.max_tokens tokens across
+  /// holds. Inputs longer than act.max_chunk run in chunks of act.max_chunk tokens across
   /// sequence boundaries; each chunk reads every weight matrix once. Returns the logits of each
   /// prompt's last token, [B][vocab_size] in act.batch_logits. Transactional as decode_batch.
   template <class Stores, KvStore S = StoreOf<Stores>>
@@ -149,7 +149,7 @@ class Model {
                      ")");
     }
     KVDECODE_CHECK(act.logits.size() == static_cast<std::size_t>(cfg.vocab_size) &&
-                       act.x.size() == act.max_tokens * static_cast<std::size_t>(cfg.dim),
+                       act.x.size() == act.max_chunk * static_cast<std::size_t>(cfg.dim),
                    "Model: the Activations were built for another config");
     KVDECODE_CHECK(act.pool == nullptr || act.pool->size() <= act.n_threads,
                    "Model: the Activations' pool has ", act.pool == nullptr ? 0 : act.pool->size(),
@@ -220,11 +220,11 @@ class Model {
 
     StepWork work;  // what WorkCounters add once the pass has committed
     try {
-      // Chunks of up to max_tokens rows of the concatenation; a sequence may span several.
+      // Chunks of up to max_chunk rows of the concatenation; a sequence may span several.
       std::size_t b = 0;       // first sequence with rows in the chunk
       std::size_t b_done = 0;  // rows of sequence b in earlier chunks
       for (std::size_t done = 0; done < total; ++work.chunks) {
-        const std::size_t n = std::min(act.max_tokens, total - done);
+        const std::size_t n = std::min(act.max_chunk, total - done);
         std::size_t n_segs = 0;
         std::size_t ending_first = B;  // sequences ending in this chunk: [ending_first, b)
         for (std::size_t row = 0; row < n;) {

@@ -260,7 +260,7 @@ void speculative_rollback(S& cache, std::size_t keep) {
 
 struct SpeculativeOptions {
   /// k: tokens drafted per target pass. A pass runs k + 1 tokens, capped by the Activations'
-  /// max_tokens, the few-token GEMM's width and speculative_append_limit(); 0 = plain decoding.
+  /// max_chunk, the few-token GEMM's width and speculative_append_limit(); 0 = plain decoding.
   std::size_t max_draft = 4;
 };
 
@@ -287,7 +287,7 @@ struct SpeculativeStats : GenerationStats {
 /// proposal d is kept with probability min(1, p(d) / q(d)) (p the target's distribution as
 /// Sampler defines it, q the drafter's, one-hot for a deterministic drafter) and a rejection
 /// draws from norm(max(0, p - q)): the tokens follow the target's distribution, though not
-/// Sampler's random stream. act needs max_tokens ≥ k + 1 for a pass to be one chunk.
+/// Sampler's random stream. act needs max_chunk ≥ k + 1 for a pass to be one chunk.
 /// options.use_cache is ignored (always cached).
 template <class T, class W, KvStore S, Drafter D, class OnToken>
 SpeculativeStats speculative_generate(const Model<T, W>& model, S& cache, Activations<T>& act,
@@ -315,7 +315,7 @@ SpeculativeStats speculative_generate(const Model<T, W>& model, S& cache, Activa
   // One pass: k + 1 tokens, within one chunk and the few-token GEMM, whose products equal the
   // single-token ones bit for bit (so greedy verification agrees with plain decoding).
   const std::size_t max_pass = std::max<std::size_t>(
-      1, std::min({spec.max_draft + 1, act.max_tokens, detail::kMaxFewTokens}));
+      1, std::min({spec.max_draft + 1, act.max_chunk, detail::kMaxFewTokens}));
   SpeculativeStats stats;
   stats.cached_tokens = cache.size();
   stats.prompt_tokens = prompt.size();

@@ -36,7 +36,7 @@ struct WindowOptions {
   WindowPolicy policy = WindowPolicy::kTrainedWindow;
   /// The most positions one append may hold once the ring has wrapped (or would wrap during
   /// it). The ring keeps W - 1 + max_chunk positions, so the first query of such an append still
-  /// finds its window whatever the Activations' max_tokens. An append to a store whose ring
+  /// finds its window whatever the Activations' max_chunk. An append to a store whose ring
   /// would not wrap may be longer (a prompt prefilled at once); max_append() says how long.
   std::size_t max_chunk = 1;
   /// capacity(): the longest sequence (cache indices) the store accepts. 0 means cfg.seq_len;

@@ -14,7 +14,7 @@ int main() {
   cfg.seq_len = 8;
   const kvdecode::Model<float> model(kvdecode::random_weights<float>(cfg, 1));
   kvdecode::ContiguousStore<float> cache(cfg);
-  kvdecode::Activations<float> act(cfg);
+  kvdecode::Activations<float> act(cfg, {.max_chunk = 1});
   const std::int32_t tokens[] = {1, 5, 9};
   std::span<const float> logits;
   for (const std::int32_t t : tokens) logits = model.decode(t, cache, act);
