@@ -132,6 +132,10 @@ concept SavableKvStore = KvStore<S> && requires(const S& cs, S& s, typename S::F
   { std::as_const(state).saved_tokens() } -> std::same_as<std::span<const std::int32_t>>;
 };
 
+static_assert(SavableKvStore<ContiguousStore<float>> && SavableKvStore<Int8Store<float>> &&
+              SavableKvStore<Q4Store<float>> && SavableKvStore<WindowStore<float>> &&
+              SavableKvStore<PagedStore<float>>);
+
 namespace detail::cache_file {
 
 inline constexpr std::array<char, 8> kMagic = {'K', 'V', 'D', 'C', 'A', 'C', 'H', 'E'};
