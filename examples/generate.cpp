@@ -9,7 +9,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <csignal>
 #include <cstdio>
@@ -166,7 +165,7 @@ void declare(CLI::App& app, Options& o) {
       ->capture_default_str()
       ->group(sampling);
   app.add_option("--repeat-last-n", o.repeat_last_n, "how many recent tokens are penalised")
-      ->check(number<std::size_t>(0, kMaxCount))
+      ->check(number<std::size_t>(0, 1 << 20))
       ->capture_default_str()
       ->group(sampling);
   app.add_option("-s,--seed", o.seed, "sampler seed, > 0, or -1 for a random one")
@@ -267,6 +266,8 @@ void check(const Options& o) {
     throw UsageError{"--prompt and --file both give the prompt; pass one"};
   if (o.interactive && (o.prompt || !o.prompt_file.empty()))
     throw UsageError{"--interactive reads its turns from stdin; it takes no --prompt or --file"};
+  if (o.interactive && (!o.save_cache.empty() || !o.load_cache.empty()))
+    throw UsageError{"--interactive does not save or load cache files yet"};
   if (o.interactive && o.no_cache)
     throw UsageError{"--interactive keeps one cache across turns; it cannot use --no-cache"};
   if (o.sinks && o.window == 0) throw UsageError{"--sinks needs --window"};
@@ -731,7 +732,11 @@ int run(const Options& o) {
   r.seed = o.seed > 0 ? static_cast<std::uint64_t>(o.seed)
                       : (std::uint64_t{std::random_device{}()} << 32 | std::random_device{}()) | 1;
   ThreadPool pool(o.threads);
-  std::signal(SIGINT, on_sigint);
+  // No SA_RESTART: a Ctrl-C while the chat waits for a line ends the wait too.
+  struct sigaction sa = {};
+  sa.sa_handler = on_sigint;
+  sigemptyset(&sa.sa_mask);
+  ::sigaction(SIGINT, &sa, nullptr);
   // The model takes the weights over (bf16: rounded copies; the f32 ones are freed here).
   if (o.weights == WeightType::kBf16) {
     const Model<float, bf16> model(convert_weights<bf16>(std::exchange(src.weights, {})));

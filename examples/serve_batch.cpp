@@ -5,6 +5,8 @@
 // step per token (every weight read once per step for the whole batch). Prints per-request
 // queue wait, time to first token and prefix hits, and aggregate tokens/s. Runs the library's
 // demo model (kvdecode/demo_model.hpp). `serve_batch --help` lists the flags.
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -65,7 +67,8 @@ void declare(CLI::App& app, Options& o) {
   app.add_option("--block-size", o.block_size, "positions per KV block")
       ->check(number<std::size_t>(1, seq_len))
       ->capture_default_str();
-  app.add_option("--blocks", o.blocks, "blocks in the pool")
+  app.add_option("--blocks", o.blocks,
+                 "blocks in the pool (at most what the requests at their longest can use)")
       ->check(number<std::size_t>(1, std::size_t{1} << 20))
       ->capture_default_str();
   app.add_flag("--no-prefix-cache", o.no_prefix_cache, "compute every prompt in full");
@@ -81,8 +84,9 @@ void declare(CLI::App& app, Options& o) {
 }
 
 /// The checks between flags, before anything is allocated: the longest request must fit the
-/// model's positions.
-void check(const Options& o) {
+/// model's positions, and the pool (no more blocks than every request at its longest can use)
+/// the machine's memory. Returns the blocks the pool gets.
+std::size_t check(const Options& o) {
   const auto seq_len = static_cast<std::size_t>(kvdecode::demo_config().seq_len);
   const std::size_t longest = o.system + o.question + o.question / 2 + o.n;
   if (longest > seq_len)
@@ -90,6 +94,20 @@ void check(const Options& o) {
                           std::to_string(o.question + o.question / 2) + " + -n " +
                           std::to_string(o.n) + " = " + std::to_string(longest) +
                           " positions, but the model holds " + std::to_string(seq_len)};
+  const std::size_t per_request = (longest + o.block_size - 1) / o.block_size;
+  const std::size_t blocks =
+      o.requests > o.blocks / per_request ? o.blocks : std::min(o.blocks, o.requests * per_request);
+  const auto cfg = kvdecode::demo_config();
+  const double block_bytes = 2.0 * static_cast<double>(cfg.n_layers * cfg.kv_dim()) *
+                             static_cast<double>(o.block_size) * 4;
+  const double memory = static_cast<double>(::sysconf(_SC_PHYS_PAGES)) *
+                        static_cast<double>(::sysconf(_SC_PAGE_SIZE));
+  if (static_cast<double>(blocks) * block_bytes > memory / 2)
+    throw cli::UsageError{"--blocks " + std::to_string(blocks) + " of " +
+                          std::to_string(static_cast<long long>(block_bytes / 1024)) +
+                          " KiB would take more than half of the machine's " +
+                          std::to_string(static_cast<long long>(memory / (1 << 30))) + " GiB"};
+  return blocks;
 }
 
 using Clock = std::chrono::steady_clock;
@@ -160,13 +178,14 @@ std::size_t outstanding(const Request& r, const kvdecode::BlockPool<float>& pool
 
 int run(const Options& o) {
   using namespace kvdecode;
-  check(o);
+  const std::size_t n_blocks = check(o);
   const ModelConfig cfg = demo_config();
   const Model<float> model(demo_weights<float>());
-  BlockPool<float> pool(cfg, o.blocks, o.block_size, BlockPoolOptions{0, !o.no_prefix_cache});
+  BlockPool<float> pool(cfg, n_blocks, o.block_size, BlockPoolOptions{0, !o.no_prefix_cache});
   // Batched decode: logits rows and activations for every request that can be in at once.
-  const std::size_t max_batch = std::min(o.requests, o.blocks);
-  Activations<float> prefill_act(cfg, {.max_chunk = 128}), decode_act(cfg, 1, 0, nullptr, max_batch);
+  const std::size_t max_batch = std::min(o.requests, n_blocks);
+  Activations<float> prefill_act(cfg, {.max_chunk = 128}),
+      decode_act(cfg, {.max_chunk = 1, .max_batch = max_batch});
 
   const std::vector<std::int32_t> system = random_ids(o.system, static_cast<std::uint64_t>(o.seed));
   std::vector<Request> requests(o.requests);

@@ -15,8 +15,11 @@ if(DEFINED EXPECTED_STDOUT)
   if(ASCII_ONLY)
     # run.c's safe_printf drops every lone byte >= 0x80, so its output has no UTF-8 where the
     # generator prints whole characters: compare the ASCII bytes only.
-    file(WRITE "${CMAKE_CURRENT_BINARY_DIR}/stdout.bin" "${out}")
-    file(READ "${CMAKE_CURRENT_BINARY_DIR}/stdout.bin" hex HEX)
+    string(MD5 id "${COMMAND}")  # tests run in parallel: one file each
+    set(bytes_file "${CMAKE_CURRENT_BINARY_DIR}/stdout-${id}.bin")
+    file(WRITE "${bytes_file}" "${out}")
+    file(READ "${bytes_file}" hex HEX)
+    file(REMOVE "${bytes_file}")
     string(REGEX MATCHALL ".." bytes "${hex}")
     set(ascii "")
     foreach(b IN LISTS bytes)

@@ -133,8 +133,10 @@ GenerationStats generate(const Model<T, W>& model, S& cache, Activations<T>& act
 
   // The latest sampler.options().repeat_last_n tokens (held, prompt, generated) for the
   // repetition penalty: a ring, as the penalty ignores order; reserved so the loop never grows it.
-  const std::size_t last_n =
-      sampler.options().repeat_penalty != 1.0 ? sampler.options().repeat_last_n : 0;
+  // (No more than the cache can hold: a larger window sees the same tokens.)
+  const std::size_t last_n = sampler.options().repeat_penalty != 1.0
+                                 ? std::min(sampler.options().repeat_last_n, cache.capacity())
+                                 : 0;
   std::vector<std::int32_t> recent;
   recent.reserve(last_n);
   std::size_t recent_next = 0;

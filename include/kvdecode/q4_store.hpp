@@ -89,9 +89,10 @@ class Q4Store {
         group_(group) {
     cfg.validate();
     KVDECODE_CHECK(group_ >= 2, "Q4Store: group size ", group_, ", expected at least 2");
-    KVDECODE_CHECK(group_ <= std::max(capacity_, static_cast<std::size_t>(cfg.seq_len)),
-                   "Q4Store: group size ", group_, " exceeds the capacity ", capacity_,
-                   " and the model's seq_len ", cfg.seq_len);
+    // The staging buffers hold a group per (layer, kv head): its bytes must fit size_t too.
+    KVDECODE_CHECK(group_ <= std::numeric_limits<std::size_t>::max() / 4 / sizeof(T) /
+                                 (n_layers_ * n_kv_heads_ * head_size_),
+                   "Q4Store: group size ", group_, " overflows the store's size");
     KVDECODE_CHECK(capacity_ <= std::numeric_limits<std::size_t>::max() / 4 / sizeof(float) /
                                     (n_layers_ * n_kv_heads_ * (head_size_ + group_)),
                    "Q4Store: capacity ", capacity_, " positions overflow the store's size");
