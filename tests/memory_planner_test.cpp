@@ -177,7 +177,9 @@ TEST(MemoryPlannerTest, MaxContextIsTheLargestThatFitsForEveryStoreKind) {
             EXPECT_LE(c.kv_bytes(1 << 20, batch), budget);
             continue;
           }
-          if (t > 0) EXPECT_LE(c.kv_bytes(t, batch), budget) << "budget " << budget;
+          if (t > 0) {
+            EXPECT_LE(c.kv_bytes(t, batch), budget) << "budget " << budget;
+          }
           EXPECT_GT(c.kv_bytes(t + 1, batch), budget)
               << c.name << " budget " << budget << " batch " << batch;
         }

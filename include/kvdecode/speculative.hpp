@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "kvdecode/activations.hpp"
-#include "kvdecode/detail/kernels.hpp"
+#include "kvdecode/detail/gemm.hpp"
 #include "kvdecode/error.hpp"
 #include "kvdecode/generate.hpp"
 #include "kvdecode/kv_store.hpp"
