@@ -125,15 +125,25 @@ constexpr WindowOptions window_options(WindowPolicy policy) {
   return {.window = kWindowPositions, .sinks = kSinkPositions, .policy = policy, .max_chunk = 1};
 }
 
-BENCHMARK_CAPTURE(BM_StoreDecode<ContiguousStore<float>>, f32, {})->Apply(contexts);
-BENCHMARK_CAPTURE(BM_StoreDecode<Int8Store<float>>, int8, {})->Apply(contexts);
-BENCHMARK_CAPTURE(BM_StoreDecode<Q4Store<float>>, q4, {})->Apply(contexts);
-BENCHMARK_CAPTURE(BM_StoreDecode<WindowStore<float>>, window,
-                  window_options(WindowPolicy::kTrainedWindow))
-    ->Apply(contexts);
-BENCHMARK_CAPTURE(BM_StoreDecode<WindowStore<float>>, streaming,
-                  window_options(WindowPolicy::kStreaming))
-    ->Apply(contexts);
+// Registered by hand: BENCHMARK_CAPTURE cannot take a template's name.
+const bool kRegistered = [] {
+  benchmark::RegisterBenchmark("BM_StoreDecode/f32", BM_StoreDecode<ContiguousStore<float>>,
+                               ContiguousStore<float>::Options{})
+      ->Apply(contexts);
+  benchmark::RegisterBenchmark("BM_StoreDecode/int8", BM_StoreDecode<Int8Store<float>>,
+                               Int8Store<float>::Options{})
+      ->Apply(contexts);
+  benchmark::RegisterBenchmark("BM_StoreDecode/q4", BM_StoreDecode<Q4Store<float>>,
+                               Q4Store<float>::Options{})
+      ->Apply(contexts);
+  benchmark::RegisterBenchmark("BM_StoreDecode/window", BM_StoreDecode<WindowStore<float>>,
+                               window_options(WindowPolicy::kTrainedWindow))
+      ->Apply(contexts);
+  benchmark::RegisterBenchmark("BM_StoreDecode/streaming", BM_StoreDecode<WindowStore<float>>,
+                               window_options(WindowPolicy::kStreaming))
+      ->Apply(contexts);
+  return true;
+}();
 
 }  // namespace
 
