@@ -150,7 +150,9 @@ TEST(MemoryPlannerTest, MaxContextIsTheLargestThatFitsForEveryStoreKind) {
             EXPECT_LE(plan.kv_bytes(1 << 20, batch), budget);
             continue;
           }
-          if (t > 0) EXPECT_LE(plan.kv_bytes(t, batch), budget) << "budget " << budget;
+          if (t > 0) {
+            EXPECT_LE(plan.kv_bytes(t, batch), budget) << "budget " << budget;
+          }
           EXPECT_GT(plan.kv_bytes(t + 1, batch), budget)
               << "kind " << static_cast<int>(l.kind) << " budget " << budget << " batch " << batch;
         }
