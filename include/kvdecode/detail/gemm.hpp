@@ -214,6 +214,20 @@ constexpr bool has_gemm_few(KernelSet ks) {
          ks != KernelSet::kPortable;
 }
 
+/// Whether Eigen's GEMM, compiled with this translation unit's flags, is as wide as set ks's
+/// kernels. Where it is not (a build without -march flags on an AVX-512 CPU), many tokens run
+/// through gemm_few in blocks of kMaxFewTokens instead, several times faster than SSE2 Eigen.
+constexpr bool eigen_gemm_as_wide(KernelSet ks) {
+#if defined(__AVX512F__)
+  static_cast<void>(ks);
+  return true;
+#elif defined(__AVX2__) && defined(__FMA__)
+  return ks != KernelSet::kAvx512 && ks != KernelSet::kAvx512Bf16;
+#else
+  return ks == KernelSet::kPortable;
+#endif
+}
+
 /// y [n][out] columns [c0, c1) = x [n][in] · w [c0..c1)[in]ᵀ for n ≤ kMaxFewTokens tokens,
 /// each output equal to the set's GEMV of that token bit for bit: every weight row is read from
 /// memory once and from L1 by every token. With bf16 weights x must already be rounded
