@@ -28,9 +28,8 @@ TEST(BatchRangesTest, EveryRangeOfStorePointersGivesTheSameLogits) {
   // Runs prefill_batch then decode_batch through `as`, a function turning the three stores'
   // pointers into the range under test; returns the decode logits [3][vocab].
   const auto run = [&](auto as) {
-    std::array<ContiguousStore<float>, 3> stores{ContiguousStore<float>(cfg),
-                                                ContiguousStore<float>(cfg),
-                                                ContiguousStore<float>(cfg)};
+    std::array<ContiguousStore<float>, 3> stores{
+        ContiguousStore<float>(cfg), ContiguousStore<float>(cfg), ContiguousStore<float>(cfg)};
     Activations<float> act(cfg, {.max_chunk = 8, .max_batch = 3});
     auto range = as(stores);
     model.prefill_batch(prompts, lengths, range, act);
@@ -48,9 +47,8 @@ TEST(BatchRangesTest, EveryRangeOfStorePointersGivesTheSameLogits) {
   EXPECT_EQ(from_vector, from_array);
 
   // A C array and a span, and one sequence alone against decode().
-  std::array<ContiguousStore<float>, 3> stores{ContiguousStore<float>(cfg),
-                                              ContiguousStore<float>(cfg),
-                                              ContiguousStore<float>(cfg)};
+  std::array<ContiguousStore<float>, 3> stores{
+      ContiguousStore<float>(cfg), ContiguousStore<float>(cfg), ContiguousStore<float>(cfg)};
   ContiguousStore<float>* raw[3] = {&stores[0], &stores[1], &stores[2]};
   Activations<float> act(cfg, {.max_chunk = 8, .max_batch = 3});
   model.prefill_batch(prompts, lengths, raw, act);

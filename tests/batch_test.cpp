@@ -162,7 +162,8 @@ TEST(BatchTest, DecodeBatchOnTwoThreadsMatchesReference) {
   const Model<float> model(random_weights<float>(cfg, 33));
   Batch<float, true> batch(cfg, model);
   ThreadPool pool(2);
-  Activations<float> act(cfg, {.max_chunk = 1, .max_batch = batch.ptrs.size(), .thread_pool = &pool});
+  Activations<float> act(cfg,
+                         {.max_chunk = 1, .max_batch = batch.ptrs.size(), .thread_pool = &pool});
   for (std::size_t step = 0; step < 3; ++step) {
     const Tokens next = random_tokens(batch.ptrs.size(), cfg.vocab_size, 400 + step);
     const auto logits = model.decode_batch(std::span<const std::int32_t>(next),

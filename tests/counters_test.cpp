@@ -42,7 +42,8 @@ std::uint64_t triangle(std::uint64_t k) {
 WorkCounters run_generate(const Model<double>& model, ContiguousStore<double>& cache,
                           const std::vector<std::int32_t>& prompt, std::size_t n, bool use_cache) {
   const ModelConfig& cfg = model.config();
-  Activations<double> act(cfg, {.max_chunk = static_cast<std::size_t>(cfg.seq_len)});  // one chunk per call
+  Activations<double> act(
+      cfg, {.max_chunk = static_cast<std::size_t>(cfg.seq_len)});  // one chunk per call
   WorkCounters counters;
   act.counters = &counters;
   Sampler sampler(cfg.vocab_size, SamplerOptions{0.0, 0.9, 0, 1});

@@ -157,7 +157,8 @@ TEST(InteropTest, PrefillLogitsMatchRunC) {
   check_fixture_shape(f);
   const ModelConfig& cfg = f.model.config();
   ContiguousStore<float> cache(cfg);
-  Activations<float> act(cfg, {.max_chunk = kPositions});  // one chunk: all 87 tokens in one matrix product
+  Activations<float> act(
+      cfg, {.max_chunk = kPositions});  // one chunk: all 87 tokens in one matrix product
   std::vector<float> all(kPositions * kVocab);
   const std::span<const float> last =
       f.model.prefill(input_span(f), cache, act, std::span<float>(all));
@@ -263,8 +264,7 @@ TEST(InteropTest, GreedyGenerateMatchesRunC) {
   check_fixture_shape(f);
   const SamplerOptions greedy{0.0, 0.9, 0, 1};
   for (const std::size_t chunk : {std::size_t{1}, std::size_t{5}, kPromptTokens}) {
-    EXPECT_EQ(run_generate(f, greedy, chunk), f.generated_ids)
-        << "Activations max_chunk " << chunk;
+    EXPECT_EQ(run_generate(f, greedy, chunk), f.generated_ids) << "Activations max_chunk " << chunk;
   }
 }
 

@@ -6,7 +6,8 @@
 //
 // The suite is typed over the store: a store adds a PropertyStore specialisation and its type to
 // PropertyStores below. Stores whose logits match the reference (within rounding) are checked
-// against forward_reference; the int8 store against a fresh int8 recompute (see its traits).
+// against forward_reference; the int8 store against a double recompute with int8 K/V (see its
+// traits).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -20,6 +21,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "double_forward.hpp"
 #include "kvdecode/kvdecode.hpp"
 #include "test_util.hpp"
 
@@ -89,8 +91,8 @@ struct PropertyStore<WindowStore<T>> {
     WindowStore<T> store;
   };
   static std::unique_ptr<Holder> make(const ModelConfig& cfg, std::size_t capacity) {
-    return std::make_unique<Holder>(Holder{WindowStore<T>(
-        cfg, {.window = kWindow, .max_chunk = kMaxChunk, .capacity = capacity})});
+    return std::make_unique<Holder>(Holder{
+        WindowStore<T>(cfg, {.window = kWindow, .max_chunk = kMaxChunk, .capacity = capacity})});
   }
   static constexpr double kTolerance = kExactTolerance<T>;
   /// Onto a non-empty ring an append may bring at most max_chunk positions (a cancel must be
@@ -102,12 +104,29 @@ struct PropertyStore<WindowStore<T>> {
   }
 };
 
-/// The int8 store rounds K/V, so forward_reference is not its oracle; its rows are quantized one
-/// at a time and never again, so a fresh int8 store given the same tokens in one prefill must
-/// hold exactly the same codes. That recompute is the oracle here (in double, so the K/V it
-/// quantizes equal the incremental ones to the last bits); it checks the store's bookkeeping
-/// under chunking, truncates, resets and refused appends. The quantization error itself is
+/// The int8 store rounds K/V, so forward_reference is not its oracle. Its oracle is a double
+/// forward (double_forward.hpp) whose K/V rows go through int8 as int8_store.hpp specifies it,
+/// written again here: per (position, kv head) row, s = max|x| / 127 and q = round(x · 127 /
+/// max|x|) in f32, x̂ = q·s. Rows are quantized once when written, so the recompute of the
+/// expected tokens must give the incremental store's logits to the last bits whatever the
+/// chunking, truncates, resets and refused appends before. The quantization error itself is
 /// bounded against the f32 cache in quant_error_budget_test.cpp.
+std::vector<double> int8_round_trip(std::span<const double> x, std::size_t head_size) {
+  std::vector<double> out(x.size());
+  for (std::size_t h0 = 0; h0 < x.size(); h0 += head_size) {
+    float amax = 0;
+    for (std::size_t i = 0; i < head_size; ++i)
+      amax = std::max(amax, std::abs(static_cast<float>(x[h0 + i])));
+    const float s = amax / 127.0f, inv = amax > 0 ? 127.0f / amax : 0.0f;
+    for (std::size_t i = 0; i < head_size; ++i) {
+      const float q =
+          std::clamp(std::nearbyint(static_cast<float>(x[h0 + i]) * inv), -127.0f, 127.0f);
+      out[h0 + i] = static_cast<double>(q) * static_cast<double>(s);
+    }
+  }
+  return out;
+}
+
 template <>
 struct PropertyStore<Int8Store<double>> {
   struct Holder {
@@ -118,11 +137,19 @@ struct PropertyStore<Int8Store<double>> {
   }
   static std::vector<double> reference(const Model<double>& model,
                                        const std::vector<std::int32_t>& tokens) {
-    const ModelConfig& cfg = model.config();
-    Int8Store<double> fresh(cfg, tokens.size());
-    Activations<double> act(cfg, {.max_chunk = tokens.size(), .store_scratch = fresh.block_scratch_size()});
-    std::vector<double> logits(tokens.size() * static_cast<std::size_t>(cfg.vocab_size));
-    model.prefill(tokens, fresh, act, std::span<double>(logits));
+    const kvdecode::testing_util::DoubleWeights w =
+        kvdecode::testing_util::widen_weights(model.weights());
+    const auto hs = static_cast<std::size_t>(w.cfg.head_size());
+    kvdecode::testing_util::DoubleCache cache(w.cfg);
+    const auto int8_kv = [&](std::size_t l, std::span<const double> k, std::span<const double> v) {
+      const std::vector<double> qk = int8_round_trip(k, hs), qv = int8_round_trip(v, hs);
+      return cache(l, qk, qv);
+    };
+    std::vector<double> logits;
+    for (std::size_t p = 0; p < tokens.size(); ++p) {
+      const std::vector<double> l = kvdecode::testing_util::double_step(w, tokens[p], p, int8_kv);
+      logits.insert(logits.end(), l.begin(), l.end());
+    }
     return logits;
   }
   static constexpr double kTolerance = 1e-9;
@@ -172,7 +199,9 @@ TYPED_TEST(PropertyTest, RandomOperationsMatchTheNoCacheRecompute) {
   const auto vocab = static_cast<std::size_t>(cfg.vocab_size);
   const auto holder = Traits::make(cfg, capacity);
   Store& store = holder->store;
-  Activations<T> act(cfg, {.max_chunk = 4, .store_scratch = store.block_scratch_size()});  // chunks of 4: prefill splits longer
+  Activations<T> act(
+      cfg, {.max_chunk = 4,
+            .store_scratch = store.block_scratch_size()});  // chunks of 4: prefill splits longer
   kvdecode::detail::SplitMix64 rng(seed);
   const auto below = [&](std::size_t n) { return static_cast<std::size_t>(rng.next() % n); };
   const auto random_token = [&] { return static_cast<std::int32_t>(below(vocab)); };

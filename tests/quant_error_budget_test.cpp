@@ -219,7 +219,8 @@ Metrics measure(const char* model_name, const char* store_name, const Model<floa
   // Teacher forcing: the quantized cache runs the f32 greedy stream.
   std::vector<float> q_logits;
   {
-    Activations<float> act(m.config(), {.max_chunk = 16, .store_scratch = teacher.block_scratch_size()});
+    Activations<float> act(m.config(),
+                           {.max_chunk = 16, .store_scratch = teacher.block_scratch_size()});
     auto l = m.prefill(prompt, teacher, act);
     for (std::size_t i = 0; i < n_gen; ++i) {
       q_logits.insert(q_logits.end(), l.begin(), l.end());

@@ -1,4 +1,5 @@
-// Sampler: llama2.c's xorshift64*, greedy ties, and the distributions top-k / top-p sample from.
+// Sampler: run.c's sampled ids (xorshift64* and the sampling rule), greedy ties, and the
+// distributions top-k / top-p sample from.
 #include "kvdecode/sampler.hpp"
 
 #include <gmock/gmock.h>
@@ -7,22 +8,75 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <filesystem>
+#include <sstream>
+#include <string>
 #include <vector>
+
+#include "fixture_files.hpp"
+#include "kvdecode/io/checkpoint.hpp"
+#include "kvdecode/kvdecode.hpp"
 
 namespace kvdecode {
 namespace {
 
-// run.c random_u32 written out again here, step by step.
-TEST(SamplerTest, XorShiftMatchesRunCFormula) {
-  std::uint64_t s = 42;
-  XorShiftRng rng(42);
-  for (int i = 0; i < 1000; ++i) {
-    s ^= s >> 12;
-    s ^= s << 25;
-    s ^= s >> 27;
-    const auto expected = static_cast<std::uint32_t>((s * 0x2545F4914F6CDD1Dull) >> 32);
-    ASSERT_EQ(rng.next_u32(), expected) << "draw " << i;
+// run.c's own output as the oracle of the xorshift stream and the sampling rule: run.c sampled
+// tests/data/llama2c-tiny/sampled.json's ids from the fixture model. Teacher-forced on them (our
+// logits after run.c's tokens), the Sampler with run.c's seed, temperature and top-p draws the
+// same id at every step; a different coin stream or cdf walk diverges within a few steps.
+// (InteropTest.SampledRunsMatchRunC checks the free-running generation as well.)
+struct SampledRun {
+  double temperature = 0, top_p = 0;
+  std::uint64_t seed = 0;
+  std::vector<std::int32_t> ids;
+};
+
+/// Each run's "temperature", "topp", "seed" and "sampled_ids" from sampled.json.
+std::vector<SampledRun> read_sampled_runs(const std::string& json) {
+  const auto number_after = [&](const std::string& key, std::size_t from) {
+    const std::size_t at = json.find("\"" + key + "\"", from);
+    EXPECT_NE(at, std::string::npos) << "sampled.json: no key " << key;
+    return at == std::string::npos ? json.size() : json.find(':', at) + 1;
+  };
+  std::vector<SampledRun> runs;
+  for (std::size_t at = json.find("\"temperature\""); at != std::string::npos;
+       at = json.find("\"temperature\"", at + 1)) {
+    SampledRun r;
+    r.temperature = std::stod(json.substr(number_after("temperature", at), 32));
+    r.top_p = std::stod(json.substr(number_after("topp", at), 32));
+    r.seed = std::stoull(json.substr(number_after("seed", at), 32));
+    const std::size_t open = json.find('[', number_after("sampled_ids", at));
+    const std::size_t close = json.find(']', open);
+    std::istringstream list(json.substr(open + 1, close - open - 1));
+    for (std::string item; std::getline(list, item, ',');) r.ids.push_back(std::stoi(item));
+    runs.push_back(std::move(r));
   }
+  return runs;
+}
+
+TEST(SamplerTest, TeacherForcedDrawsEqualRunCSampledIds) {
+  const std::filesystem::path dir = std::filesystem::path(KVDECODE_TEST_DATA_DIR) / "llama2c-tiny";
+  const Model<float> model(load_checkpoint(dir / "model.bin"));
+  const ModelConfig& cfg = model.config();
+  const std::vector<std::int32_t> prompt = testing_util::read_ids(dir / "prompt_ids.txt");
+  const std::vector<SampledRun> runs =
+      read_sampled_runs(testing_util::read_text(dir / "sampled.json"));
+  ASSERT_EQ(runs.size(), 2u);
+  for (const SampledRun& run : runs) {
+    ASSERT_EQ(run.ids.size(), 64u);
+    Sampler sampler(cfg.vocab_size, SamplerOptions{run.temperature, run.top_p, 0, run.seed});
+    ContiguousStore<float> cache(cfg);
+    Activations<float> act(cfg, {.max_chunk = 8});
+    auto logits = model.prefill(prompt, cache, act);
+    for (std::size_t i = 0; i < run.ids.size(); ++i) {
+      ASSERT_EQ(sampler.sample(logits), run.ids[i])
+          << "-t " << run.temperature << " -p " << run.top_p << " -s " << run.seed << " step " << i;
+      if (i + 1 < run.ids.size()) logits = model.decode(run.ids[i], cache, act);
+    }
+  }
+}
+
+TEST(SamplerTest, UniformDrawsLieInTheUnitInterval) {
   XorShiftRng f(7);
   for (int i = 0; i < 1000; ++i) {
     const float x = f.next_f32();

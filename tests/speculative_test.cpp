@@ -126,7 +126,8 @@ RunResult run(const Model<T>& model, typename Setup<T>::Kind kind, const Tokens&
   const GenerationOptions gen{.max_new_tokens = n_new};
   const SamplerOptions greedy{.temperature = 0};
   const auto go = [&](auto& store, std::span<const std::int32_t> rest) {
-    Activations<T> act(cfg, {.max_chunk = Setup<T>::kMaxDraft + 1, .store_scratch = store.block_scratch_size()});
+    Activations<T> act(
+        cfg, {.max_chunk = Setup<T>::kMaxDraft + 1, .store_scratch = store.block_scratch_size()});
     const auto on_token = [&](std::int32_t t) { result.tokens.push_back(t); };
     if (speculate) {
       auto drafter = make_drafter();
@@ -492,7 +493,8 @@ ModelConfig tiny_config() {
 template <class S, class Make>
 std::vector<double> decoded_logits(const Model<double>& model, const Tokens& tokens, Make&& make) {
   S fresh = make();
-  Activations<double> act(model.config(), {.max_chunk = 1, .store_scratch = fresh.block_scratch_size()});
+  Activations<double> act(model.config(),
+                          {.max_chunk = 1, .store_scratch = fresh.block_scratch_size()});
   const auto vocab = static_cast<std::size_t>(model.config().vocab_size);
   std::vector<double> out;
   out.reserve(tokens.size() * vocab);
@@ -518,7 +520,8 @@ TEST(SpeculativePropertyTest, RandomVerifyAndRollbackMatchTheRecompute) {
     SCOPED_TRACE(name);
     detail::SplitMix64 rng(seed);
     const auto below = [&](std::size_t n) { return static_cast<std::size_t>(rng.next() % n); };
-    Activations<double> act(cfg, {.max_chunk = max_pass, .store_scratch = store.block_scratch_size()});
+    Activations<double> act(cfg,
+                            {.max_chunk = max_pass, .store_scratch = store.block_scratch_size()});
     Tokens expected(store.tokens().begin(), store.tokens().end());
     std::vector<double> all(max_pass * vocab);
     std::size_t verifies = 0, dropped_total = 0;

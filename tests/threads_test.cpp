@@ -80,7 +80,8 @@ TEST(ThreadsTest, PoolPrefillMatchesReference) {
   for (const std::size_t threads : {1, 2, 3}) {
     ThreadPool pool(threads);
     ContiguousStore<float> cache(cfg);
-    Activations<float> act(cfg, {.max_chunk = 16, .thread_pool = &pool});  // chunks of 16: 16, 16, 8
+    Activations<float> act(cfg,
+                           {.max_chunk = 16, .thread_pool = &pool});  // chunks of 16: 16, 16, 8
     std::vector<float> all(ref.size());
     model.prefill(tokens, cache, act, std::span<float>(all));
     EXPECT_LE(max_abs_diff(all, ref), 1e-5 * (1 + scale)) << threads << " threads";

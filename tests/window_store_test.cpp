@@ -214,7 +214,8 @@ TEST(WindowStoreTest, EveryChunkCombinationMatchesTheReferenceOrThrows) {
                   " chunk=" + std::to_string(chunk) + " n=" + std::to_string(n);
               {
                 WindowStore<float> s(cfg, o);
-                Activations<float> act(cfg, {.max_chunk = chunk, .store_scratch = s.block_scratch_size()});
+                Activations<float> act(
+                    cfg, {.max_chunk = chunk, .store_scratch = s.block_scratch_size()});
                 try {
                   const auto logits = model.prefill(tokens, s, act);
                   expect_logits_near<float>(logits, ref, last, vocab, 2e-5, what + " (prefill)");
@@ -234,7 +235,8 @@ TEST(WindowStoreTest, EveryChunkCombinationMatchesTheReferenceOrThrows) {
                 }
               }
               WindowStore<float> s(cfg, o);
-              Activations<float> act(cfg, {.max_chunk = chunk, .store_scratch = s.block_scratch_size()});
+              Activations<float> act(cfg,
+                                     {.max_chunk = chunk, .store_scratch = s.block_scratch_size()});
               const auto logits = feed_by_max_append(model, s, act, tokens);
               expect_logits_near<float>(logits, ref, last, vocab, 2e-5, what + " (max_append)");
             }
@@ -280,7 +282,8 @@ TEST(WindowStoreTest, BeforeItFillsTheStoreMatchesThePlainCache) {
       // S + W = 28 > 24 tokens: nothing is evicted or re-rotated.
       WindowStore<float> s(cfg, {.window = 24, .sinks = S, .policy = policy, .max_chunk = 8});
       ContiguousStore<float> plain(cfg);
-      Activations<float> act(cfg, {.max_chunk = 8, .store_scratch = s.block_scratch_size()}), plain_act(cfg, 8, 0);
+      Activations<float> act(cfg, {.max_chunk = 8, .store_scratch = s.block_scratch_size()}),
+          plain_act(cfg, 8, 0);
       const auto first = std::span<const std::int32_t>(tokens).first(8);
       std::vector<float> got(8 * vocab), want(8 * vocab);
       model.prefill(first, s, act, got);
