@@ -235,7 +235,7 @@ TEST(GqaTest, EqualsMhaWithRepeatedKvHeads) {
   const Model<double> a(random_weights<double>(gqa_cfg, 11));
   const Model<double> b(std::move(mha));
   ContiguousStore<double> ca(gqa_cfg), cb(mha_cfg);
-  Activations<double> xa(gqa_cfg, {.max_chunk = 1}), xb(mha_cfg);
+  Activations<double> xa(gqa_cfg, {.max_chunk = 1}), xb(mha_cfg, {.max_chunk = 1});
   EXPECT_EQ(cb.memory_bytes(), ca.memory_bytes() * kv_mul);
   for (const std::int32_t t : random_tokens(24, gqa_cfg.vocab_size, 3)) {
     const auto la = a.decode(t, ca, xa);
