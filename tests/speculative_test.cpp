@@ -165,10 +165,10 @@ using Scalars = ::testing::Types<float, double>;
 TYPED_TEST_SUITE(SpeculativeGreedyTest, Scalars);
 
 /// Greedy equality needs the verify pass's products to equal decode's bit for bit: f64 always
-/// leaves ties only at 1e-16; f32 where the few-token GEMM sums as the GEMV (AVX-512).
+/// leaves ties only at 1e-16; f32 where the active kernel set's few-token GEMM sums as its GEMV.
 template <class T>
 bool exact_verify() {
-  return std::is_same_v<T, double> || detail::kHasGemmFew<float, float>;
+  return std::is_same_v<T, double> || detail::has_gemm_few<float, float>(active_kernel_set());
 }
 
 TYPED_TEST(SpeculativeGreedyTest, EqualsPlainGreedyOnEveryStoreAndDrafter) {

@@ -193,11 +193,8 @@ TEST(Bf16ModelTest, DecodeFollowsTheBf16RuleOnRoundedWeights) {
   }
 }
 
-// Holds once prefill (several tokens per product) rounds its inputs to bf16 as decode does; it
-// widens the weights and keeps x in f32 today, which the derived bound below allows.
+// Prefill (several tokens per product) rounds its inputs to bf16 as decode does.
 TEST(Bf16ModelTest, PrefillFollowsTheBf16RuleOnRoundedWeights) {
-  GTEST_SKIP() << "prefill does not round weight-product inputs to bf16 yet (decode does); "
-                  "remove this skip when both follow the one bf16 rule";
   const ModelConfig cfg = bf16_config();
   const Weights<float> w = random_weights<float>(cfg, 9);
   const Model<float, bf16> bf(convert_weights<bf16>(w));
