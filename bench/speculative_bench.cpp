@@ -121,7 +121,8 @@ void BM_SpeculativeBreakEven(benchmark::State& state, std::string target_file,
   const ModelConfig& cfg = target.config();
   std::unique_ptr<ThreadPool> pool = threads > 1 ? std::make_unique<ThreadPool>(threads) : nullptr;
   ContiguousStore<float> cache(cfg), draft_cache(draft.config());
-  Activations<float> act(cfg, {.max_chunk = 16, .thread_pool = pool.get()}), draft_act(draft.config(), 16, 0, pool.get());
+  Activations<float> act(cfg, {.max_chunk = 16, .thread_pool = pool.get()}),
+      draft_act(draft.config(), {.max_chunk = 16, .thread_pool = pool.get()});
   std::vector<std::int32_t> prompt(32);
   for (std::size_t i = 0; i < prompt.size(); ++i)
     prompt[i] =

@@ -481,7 +481,7 @@ class CachePoolTest : public ::testing::Test {
       : cfg_(small_config(4, 2, 48)),
         model_(kvdecode::random_weights<float>(cfg_, 11)),
         fingerprint_(kvdecode::model_fingerprint(model_)),
-        act_(cfg_, kChunk),
+        act_(cfg_, {.max_chunk = kChunk}),
         pool_(cfg_, 40, 4),
         prompt_(random_tokens(30, cfg_.vocab_size, 5)) {
     file_ = fs::temp_directory_path() /

@@ -81,7 +81,7 @@ class CacheFileTest : public ::testing::Test {
       : cfg_(small_config(4, 2, 48)),
         model_(kvdecode::random_weights<float>(cfg_, 11)),
         fingerprint_(kvdecode::model_fingerprint(model_)),
-        act_(cfg_, 8),
+        act_(cfg_, {.max_chunk = 8}),
         tokens_(random_tokens(40, cfg_.vocab_size, 5)) {
     dir_ = fs::temp_directory_path() /
            ("kvdecode_cache_file_test_" + std::to_string(::getpid()) + "_" +

@@ -51,7 +51,7 @@ class ErrorModelTest : public ::testing::Test {
         model_(kvdecode::random_weights<float>(cfg_, 4)),
         store_(cfg_),
         snapshot_(cfg_),
-        act_(cfg_, 4) {
+        act_(cfg_, {.max_chunk = 4}) {
     tokens_ = random_tokens(9, cfg_.vocab_size, 1);
     model_.prefill(tokens_, store_, act_);
     snapshot_.copy_from(store_);

@@ -94,7 +94,7 @@ double run_all_and_compare(const Shape& shape, bool decode) {
   const std::vector<double> ref =
       forward_reference(convert_weights<double>(model.weights()), tokens);
   ContiguousStore<T> cache(cfg);
-  Activations<T> act(cfg, {.max_chunk = decode ? 1 : 7});
+  Activations<T> act(cfg, {.max_chunk = decode ? std::size_t{1} : std::size_t{7}});
   const auto vocab = static_cast<std::size_t>(cfg.vocab_size);
   std::vector<T> all(decode ? 0 : n * vocab);
   if (!decode) model.prefill(tokens, cache, act, std::span<T>(all));

@@ -35,7 +35,7 @@ class RandomOps {
       : cfg_(small_config(4, 2, kMaxLen)),
         model_(random_weights<T>(cfg_, seed)),
         pool_(cfg_, n_blocks, block_size),
-        act_(cfg_, 8),
+        act_(cfg_, {.max_chunk = 8}),
         rng_(seed) {}
 
   void run(std::size_t steps) {

@@ -392,7 +392,7 @@ TEST(SpeculativeSamplingTest, KeepsTheTargetDistribution) {
     std::map<std::size_t, std::size_t> observed;
     std::size_t drafted = 0, accepted = 0;
     ContiguousStore<double> store(cfg), draft_store(cfg);
-    Activations<double> act(cfg, {.max_chunk = 4}), draft_act(cfg, 4);
+    Activations<double> act(cfg, {.max_chunk = 4}), draft_act(cfg, {.max_chunk = 4});
     const SamplerOptions draft_sampling{.temperature = sc.drafter == 1 ? 1.3 : 0.0, .top_p = 1.0};
     for (std::size_t r = 0; r < runs; ++r) {
       store.reset();

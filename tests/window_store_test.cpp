@@ -283,7 +283,7 @@ TEST(WindowStoreTest, BeforeItFillsTheStoreMatchesThePlainCache) {
       WindowStore<float> s(cfg, {.window = 24, .sinks = S, .policy = policy, .max_chunk = 8});
       ContiguousStore<float> plain(cfg);
       Activations<float> act(cfg, {.max_chunk = 8, .store_scratch = s.block_scratch_size()}),
-          plain_act(cfg, 8, 0);
+          plain_act(cfg, {.max_chunk = 8});
       const auto first = std::span<const std::int32_t>(tokens).first(8);
       std::vector<float> got(8 * vocab), want(8 * vocab);
       model.prefill(first, s, act, got);
