@@ -51,7 +51,9 @@ Model
 Text
   --prompt TEXT       prompt (default "And it came to pass" for the KJV model, "Once upon a
                       time" for the others)
-  -n N                tokens to generate (default 256); stops earlier at BOS or a full cache
+  -n N                tokens to generate; stops earlier at BOS or a full cache. Default 256,
+                      then on to the end of the line in progress (a verse of the KJV model;
+                      at most 128 tokens more) unless --ignore-bos
   --ignore-bos        go on after a BOS token (not printed) instead of ending the text, so
                       that exactly N tokens are generated (benchmarks, tests)
   --temperature T     0 = greedy (default 0.8: at 1.0 the small KJV model drifts into invented
@@ -92,6 +94,7 @@ struct Options {
   std::string tokenizer;
   std::optional<std::string> prompt;  // unset: the model's default prompt
   std::size_t n = 256;
+  bool n_given = false;  // -n N: exactly N tokens; default: n, then to the end of the line
   double temperature = 0.8;
   double top_p = 0.9;
   std::int64_t top_k = 0;
@@ -124,6 +127,7 @@ Options parse(int argc, char** argv) {
       o.prompt = std::string(args.value());
     } else if (a == "-n") {
       o.n = args.number<std::size_t>();
+      o.n_given = true;
     } else if (a == "--temperature") {
       o.temperature = args.number<double>();
     } else if (a == "--top-p") {
@@ -396,6 +400,12 @@ int generate_with(const Options& o, const Source& src, const kvdecode::Model<flo
   };
   // Each token: print it (a BOS ends the text as in run.c, or is skipped with --ignore-bos),
   // and add the K/V bytes the decode step that produced it read (every token but the first).
+  // Without -n (and --ignore-bos) the text ends at a line end once n tokens are out: the first
+  // piece past n that ends in a newline stops it (the newline printed after the text is that
+  // one), at most kLineOvershoot tokens past n.
+  constexpr std::size_t kLineOvershoot = 128;
+  const bool finish_line = !o.n_given && !o.ignore_bos;
+  bool ended_line = false;
   double kv_bytes_read = 0;
   std::size_t tokens_seen = 0;
   std::int32_t prev = prompt.back();
@@ -405,13 +415,16 @@ int generate_with(const Options& o, const Source& src, const kvdecode::Model<flo
           static_cast<double>(positions_attended(cache)) * kv_bytes_per_position(cache, cfg);
     if (token != Tokenizer::kBos) {
       const std::string_view text = Tokenizer::printed_text(tokenizer.decode(prev, token));
-      std::fwrite(text.data(), 1, text.size(), stdout);
+      ended_line = finish_line && tokens_seen > o.n && text.ends_with('\n');
+      const std::string_view shown = ended_line ? text.substr(0, text.size() - 1) : text;
+      std::fwrite(shown.data(), 1, shown.size(), stdout);
       std::fflush(stdout);
     }
     prev = token;
+    return !ended_line;
   };
   GenerationOptions go;
-  go.max_new_tokens = o.n;
+  go.max_new_tokens = finish_line ? o.n + kLineOvershoot : o.n;
   go.stop_token = o.ignore_bos ? -1 : Tokenizer::kBos;
   go.use_cache = !o.no_cache;
   const GenerationStats st = generate(model, cache, act, std::span(prompt).subspan(from_file),
@@ -451,6 +464,7 @@ int generate_with(const Options& o, const Source& src, const kvdecode::Model<flo
   std::fprintf(out, "generated tokens   %zu%s\n", st.generated_tokens,
                st.hit_stop_token ? " (stopped at BOS)"
                : st.hit_capacity ? " (cache full)"
+               : ended_line      ? " (end of line)"
                                  : "");
   std::fprintf(out, "prefill            %.2f ms, %.1f tok/s (%zu tokens)\n", st.prefill_ms,
                st.prefill_tokens_per_s(), st.prompt_tokens);
