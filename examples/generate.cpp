@@ -41,7 +41,7 @@ decode speed, the bytes a decode step reads (GB/s) and the cache size on stderr.
 
 Model
   --model FILE        llama2.c checkpoint (v0 format), e.g. stories15M.bin. Default: the bundled
-                      models/kjv_tiny.bin (1.77M parameters trained on the King James Bible).
+                      models/kjv_tiny.bin (2.36M parameters trained on the King James Bible).
                       "builtin": a small model with deterministic random weights (its text is
                       noise, its timings are real); also used when kjv_tiny.bin is missing.
   --tokenizer FILE    llama2.c tokenizer.bin (default: tokenizer.bin beside the model)

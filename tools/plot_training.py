@@ -39,13 +39,13 @@ def main():
         script = f"""
 set terminal pngcairo size 900,500 font ",11"
 set output "{png}"
-set title "kjv\\_tiny training: loss (nats/token); final validation {last[1]:.3f} nats/token = {last[2]:.3f} nats/char"
+set title "kjv_tiny training: loss (nats/token); final validation {last[1]:.3f} nats/token = {last[2]:.3f} nats/char" noenhanced
 set xlabel "epochs of the training chapters ({steps} steps)"
 set ylabel "cross-entropy (nats/token)"
 set grid
-set yrange [2.5:8.5]
+set yrange [2:8.5]
 set key top right
-plot "{tf}" using 1:2 with lines lw 1 lc rgb "#8888cc" title "train (one batch every 10 steps)", \\
+plot "{tf}" using 1:2 with lines lw 1 lc rgb "#8888cc" title "train (one batch every 10 steps)" noenhanced, \\
      "{vf}" using 1:2 with linespoints lw 2 pt 7 lc rgb "#cc3333" title "validation (held-out chapters)"
 """
         os.makedirs(os.path.dirname(os.path.abspath(png)), exist_ok=True)
