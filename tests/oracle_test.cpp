@@ -174,8 +174,8 @@ TEST(OracleTest, ShippedModelHasTheTrainedConfig) {
   EXPECT_EQ(cfg.n_layers, 4);
   EXPECT_EQ(cfg.n_heads, 6);
   EXPECT_EQ(cfg.n_kv_heads, 2);
-  EXPECT_EQ(cfg.vocab_size, 1024);
-  EXPECT_EQ(cfg.seq_len, 256);
+  EXPECT_EQ(cfg.vocab_size, 4096);
+  EXPECT_EQ(cfg.seq_len, 512);
 }
 
 TEST(OracleTest, EncodeMatchesTrainingTokenizer) {

@@ -1,24 +1,32 @@
 #!/usr/bin/python3
-"""Trains kvdecode's shipped demo model: a tiny Llama-architecture transformer on the King James
+"""Trains kvdecode's shipped demo model: a small Llama-architecture transformer on the King James
 Bible, exported in llama2.c's v0 checkpoint and tokenizer.bin formats, plus PyTorch oracle logits.
 
     apt-get install -y python3-torch bible-kjv libopenblas0-pthread  # Debian 12
-    nice -n 19 /usr/bin/python3 tools/train_tiny.py
+    nice -n 19 /usr/bin/python3 tools/train_tiny.py            # about 1.5-2 h on 2 shared cores
+    nice -n 19 /usr/bin/python3 tools/train_tiny.py --resume   # continue a stopped run
 
-That one command (fixed seeds, 2 threads, about 20 minutes on 2 cores) writes
+That one command (fixed seeds, 2 threads) writes
   models/kjv_tiny.bin           llama2.c v0 checkpoint (shared classifier, f32)
-  models/tokenizer.bin          llama2.c tokenizer.bin (a BPE trained here)
-  models/train_log.txt          loss curve, validation loss, samples
+  models/tokenizer.bin          llama2.c tokenizer.bin (a BPE of 4096 pieces trained here)
+  models/train_log.txt          loss curve, validation loss, samples (rewritten as it goes)
   tests/data/oracle/            PyTorch logits of fixed prompts for tests/oracle_test.cpp
+and keeps its training state in build/train_tiny.ckpt every --eval-every steps, from which
+--resume continues (with the same other arguments) and --export-only writes the model files.
+tools/plot_training.py draws the loss curve from the log.
 
 Text: the KJV (1611; public domain) as printed by Debian's bible-kjv program from the
 bible-kjv-text package, one verse a line (verse numbers and chapter headings dropped), one
-chapter a document (BOS before each). Every 40th chapter is held out for validation.
+chapter a document (BOS before each). Every 40th chapter is held out for validation; its loss
+is also given per character (the chapters' characters, a newline between verses and one per
+BOS), which does not depend on the vocabulary.
 
 The model code here is written from docs/FORMATS.md §2 (llama2.c model.py / run.c math):
 RMSNorm (eps 1e-5), RoPE on adjacent pairs (theta 10000), SwiGLU, GQA with query head h using kv
-head h // kv_mul, shared embedding/classifier. The oracle runs it in float64 with full-sequence
-causal attention (no KV cache), so it shares no code with the C++ library.
+head h // kv_mul, shared embedding/classifier. Training runs the matrix products in bfloat16
+(torch.autocast; the weights, the optimizer and the loss stay f32); the exported weights are
+f32, and the oracle runs them in float64 with full-sequence causal attention (no KV cache), so
+it shares no code with the C++ library.
 """
 
 import argparse
@@ -38,7 +46,10 @@ from collections import Counter
 # only (re-exec with LD_LIBRARY_PATH), whatever the system-wide choice.
 _OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread"
 if os.path.isdir(_OPENBLAS) and os.environ.get("KVDECODE_TRAIN_REEXEC") != "1":
+    # OMP_WAIT_POLICY=PASSIVE: on cores shared with other work (nice -n 19), OpenMP threads that
+    # spin at every barrier waiting for a descheduled peer made steps 4-8x slower.
     env = dict(os.environ, KVDECODE_TRAIN_REEXEC="1", OPENBLAS_NUM_THREADS="2",
+               OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
                LD_LIBRARY_PATH=_OPENBLAS + ":" + os.environ.get("LD_LIBRARY_PATH", ""))
     os.execve(sys.executable, [sys.executable] + sys.argv, env)
 
@@ -52,8 +63,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # --------------------------------------------------------------------------------------------
 # Configuration (llama2.c names)
 
-CONFIG = dict(dim=192, hidden_dim=512, n_layers=4, n_heads=6, n_kv_heads=2, vocab_size=1024,
-              seq_len=256)
+CONFIG = dict(dim=192, hidden_dim=512, n_layers=4, n_heads=6, n_kv_heads=2, vocab_size=4096,
+              seq_len=512)
+# Training: STEPS steps of BATCH_SIZE x SHORT_LEN tokens, then from LONG_FROM * STEPS on, of
+# BATCH_SIZE / 2 x seq_len (the same tokens a step): the short windows are cheaper (attention
+# grows with the window), the long ones teach the positions up to seq_len.
+STEPS, BATCH_SIZE, SHORT_LEN, LONG_FROM, LR, EVAL_EVERY = 2000, 16, 256, 0.9, 3e-3, 200
 SEED = 1234
 BOS, EOS = 1, 2
 BYTE_OFFSET = 3  # run.c: byte fallback id = byte + 3
@@ -115,26 +130,49 @@ def train_bpe(texts, vocab_size):
         pieces.append(c)
         scores.append(-1e6 - i)  # never a merge result, so the value only orders them
     assert " " in pieces
-    # Word-level BPE: each distinct pre-token as a list of symbols, weighted by its count.
-    vocab_words = [(list(w), n) for w, n in words.items() if len(w) > 1]
+    # Word-level BPE: each distinct pre-token as a list of symbols, weighted by its count. Pair
+    # counts are kept up to date incrementally (only the words holding the merged pair change),
+    # and a heap with lazy deletion finds the most frequent pair; ties go to the smaller pair
+    # text, so the result does not depend on hashing.
+    vocab_words = [(list(w), n) for w, n in sorted(words.items()) if len(w) > 1]
+    pair_count = Counter()
+    where = {}
+    for wi, (syms, n) in enumerate(vocab_words):
+        for pr in zip(syms, syms[1:]):
+            pair_count[pr] += n
+            where.setdefault(pr, set()).add(wi)
+    heap = [(-c, pr) for pr, c in pair_count.items()]
+    heapq.heapify(heap)
+    known = set(pieces)
     rank = 0
-    while len(pieces) < vocab_size:
-        pairs = Counter()
-        for syms, n in vocab_words:
-            for a, b in zip(syms, syms[1:]):
-                pairs[a, b] += n
-        if not pairs:
-            break
-        # Most frequent pair; ties by the pair's text so the result does not depend on hashing.
-        (a, b), _ = min(pairs.items(), key=lambda kv: (-kv[1], kv[0]))
+    while len(pieces) < vocab_size and heap:
+        negc, (a, b) = heapq.heappop(heap)
+        if pair_count.get((a, b), 0) != -negc or negc == 0:
+            continue  # stale entry
         merged = a + b
-        for syms, _ in vocab_words:
+        changed = set()
+        for wi in sorted(where.pop((a, b), ())):
+            syms, n = vocab_words[wi]
+            for pr in zip(syms, syms[1:]):
+                pair_count[pr] -= n
+                changed.add(pr)
             i = 0
             while i < len(syms) - 1:
                 if syms[i] == a and syms[i + 1] == b:
                     syms[i:i + 2] = [merged]
                 i += 1
-        if merged not in pieces:
+            for pr in zip(syms, syms[1:]):
+                pair_count[pr] += n
+                changed.add(pr)
+                where.setdefault(pr, set()).add(wi)
+        for pr in changed:
+            c = pair_count[pr]
+            if c > 0:
+                heapq.heappush(heap, (-c, pr))
+            else:
+                del pair_count[pr]
+        if merged not in known:
+            known.add(merged)
             pieces.append(merged)
             scores.append(-float(rank))
             rank += 1
@@ -306,13 +344,15 @@ class Block(nn.Module):
         v = self.wv(h).view(B, T, self.n_kv_heads, self.hs)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         kv_mul = self.n_heads // self.n_kv_heads
-        # Query head h reads kv head h // kv_mul (repeat_interleave, as llama2.c model.py).
-        k = k.repeat_interleave(kv_mul, dim=2)
-        v = v.repeat_interleave(kv_mul, dim=2)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B][H][T][hs]
+        # Query head h reads kv head h // kv_mul (llama2.c model.py's repeat_interleave): the
+        # query heads are grouped [B][kv head][kv_mul][T][hs] and K, V broadcast over the group,
+        # the same products without copying K and V kv_mul times.
+        q = q.view(B, T, self.n_kv_heads, kv_mul, self.hs).permute(0, 2, 3, 1, 4)
+        k = k.transpose(1, 2).unsqueeze(2)  # [B][kv head][1][T][hs]
+        v = v.transpose(1, 2).unsqueeze(2)
         att = (q * (1.0 / math.sqrt(self.hs))) @ k.transpose(-2, -1) + mask[:T, :T]
-        out = F.softmax(att, dim=-1) @ v
-        x = x + self.wo(out.transpose(1, 2).reshape(B, T, -1))
+        out = F.softmax(att, dim=-1) @ v  # [B][kv head][kv_mul][T][hs]
+        x = x + self.wo(out.permute(0, 3, 1, 2, 4).reshape(B, T, -1))
         h = self.ffn_norm(x)
         return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
 
@@ -504,28 +544,56 @@ def write_oracle(model, tok, oracle_dir, log, encode_text=None):
         f.write("\n")
 
 
+def lr_at(step, steps, peak):
+    """Linear warmup over 2 % of the steps, then cosine from peak to peak / 10."""
+    warmup = max(1, steps // 50)
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    return 0.1 * peak + 0.45 * peak * (1 + math.cos(math.pi * (step - warmup) /
+                                                     max(1, steps - warmup)))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=220)
-    ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--steps", type=int, default=STEPS)
+    ap.add_argument("--batch-size", type=int, default=BATCH_SIZE)
+    ap.add_argument("--lr", type=float, default=LR)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--eval-every", type=int, default=EVAL_EVERY,
+                    help="steps between validation losses (full held-out set) and checkpoints")
     ap.add_argument("--models-dir", default=os.path.join(ROOT, "models"))
     ap.add_argument("--oracle-dir", default=os.path.join(ROOT, "tests", "data", "oracle"))
-    ap.add_argument("--benchmark", action="store_true", help="time 10 steps and exit")
+    ap.add_argument("--checkpoint", default=os.path.join(ROOT, "build", "train_tiny.ckpt"),
+                    help="training state (model, optimizer, sampler RNG, log), written every "
+                         "--eval-every steps; not part of the shipped files")
+    ap.add_argument("--resume", action="store_true",
+                    help="continue from --checkpoint (same arguments as the stopped run)")
+    ap.add_argument("--config", default=None,
+                    help="JSON overriding CONFIG entries (to time other shapes with --benchmark)")
+    ap.add_argument("--export-only", action="store_true",
+                    help="write the model files from --checkpoint as it is (a run cut short)")
+    ap.add_argument("--no-bf16", action="store_true",
+                    help="train in f32 (default: bf16 autocast for the matrix products, f32 "
+                         "weights, optimizer and loss)")
+    ap.add_argument("--benchmark", action="store_true", help="time 6 steps and exit")
     ap.add_argument("--oracle-only", action="store_true",
                     help="rewrite the oracle files from the checkpoint in --models-dir")
     args = ap.parse_args()
+    cfg = dict(CONFIG, **(json.loads(args.config) if args.config else {}))
 
     torch.manual_seed(SEED)
     np.random.seed(SEED)
     torch.set_num_threads(args.threads)
     os.makedirs(args.models_dir, exist_ok=True)
+    log_path = os.path.join(args.models_dir, "train_log.txt")
     log_lines = []
 
     def log(msg):
         print(msg, flush=True)
         log_lines.append(msg)
+        if not args.benchmark and not args.oracle_only:
+            with open(log_path, "w") as f:  # the whole log so far, after every line
+                f.write("\n".join(log_lines) + "\n")
 
     t0 = time.time()
     log("torch %s, bible-kjv %s, bible-kjv-text %s, %d threads" % (
@@ -544,8 +612,8 @@ def main():
         write_oracle(model, tok, args.oracle_dir, log, encode_text)
         return
 
-    pieces, scores = train_bpe(train_docs, CONFIG["vocab_size"])
-    assert len(pieces) == CONFIG["vocab_size"], len(pieces)
+    pieces, scores = train_bpe(train_docs, cfg["vocab_size"])
+    assert len(pieces) == cfg["vocab_size"], len(pieces)
     tok = RunCTokenizer(pieces, scores)
     for d in val_docs[:3]:  # the heap encoder against run.c's literal loop
         assert tok.encode(d[:2000]) == tok.encode_reference(d[:2000])
@@ -557,49 +625,99 @@ def main():
         return torch.tensor(out, dtype=torch.long)
 
     train, val = stream(train_docs), stream(val_docs)
-    log("tokenizer: vocab %d, train %d tokens, val %d tokens (%.2f chars/token); %.0fs" % (
-        len(pieces), len(train), len(val), sum(map(len, train_docs)) / len(train),
-        time.time() - t0))
+    # Characters of the held-out chapters, with one for each BOS (the chapter break it marks):
+    # nats/char = val loss per token x val tokens / this.
+    val_chars = sum(len(d) + 1 for d in val_docs)
+    words = Counter(w for d in train_docs for w in re.findall(r"[A-Za-z]+", d))
+    single = [w for w in words if (" " + w).encode() in tok.ids]
+    log("tokenizer: vocab %d, train %d tokens (%.2f chars/token), val %d tokens (%d chars, "
+        "%.2f chars/token); %d of %d distinct words (%.1f %% of the word occurrences) are one "
+        "token after a space; %.0fs" % (
+            len(pieces), len(train), sum(len(d) + 1 for d in train_docs) / len(train), len(val),
+            val_chars, val_chars / len(val), len(single), len(words),
+            100 * sum(words[w] for w in single) / sum(words.values()), time.time() - t0))
 
-    model = Transformer(CONFIG)
+    def per_char(loss):
+        return loss * len(val) / val_chars
+
+    model = Transformer(cfg)
     n_params = sum(p.numel() for p in model.parameters())
-    log("model: %s, %d parameters" % (json.dumps(CONFIG), n_params))
+    log("model: %s, %d parameters" % (json.dumps(cfg), n_params))
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
                              {"params": no_decay, "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.95))
     gen = torch.Generator().manual_seed(SEED)
-    warmup = max(1, args.steps // 20)
-    steps = 10 if args.benchmark else args.steps
+    steps = 6 if args.benchmark else args.steps
+    tokens_per_step = args.batch_size * SHORT_LEN
+    log("training: %d steps of %d tokens (%d x %d, from step %d %d x %d) = %.2f epochs; "
+        "AdamW lr %.1e; %s" % (
+            args.steps, tokens_per_step, args.batch_size, SHORT_LEN, int(LONG_FROM * args.steps),
+            args.batch_size // 2, cfg["seq_len"], args.steps * tokens_per_step / len(train),
+            args.lr, "f32" if args.no_bf16 else "bf16 autocast"))
+    start, elapsed = 0, 0.0
+    if args.resume or args.export_only:
+        state = torch.load(args.checkpoint)
+        assert state["config"] == cfg and state["steps"] == args.steps, "different run"
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        gen.set_state(state["gen"])
+        start, elapsed = state["step"], state["elapsed"]
+        log_lines[:] = state["log"] + log_lines[:0]
+        log("resumed at step %d from %s (%.0fs of training before)" % (
+            start, args.checkpoint, elapsed))
+
+    def save_state(step):
+        os.makedirs(os.path.dirname(os.path.abspath(args.checkpoint)), exist_ok=True)
+        tmp = args.checkpoint + ".tmp"
+        torch.save(dict(config=cfg, steps=args.steps, step=step, model=model.state_dict(),
+                        opt=opt.state_dict(), gen=gen.get_state(), log=list(log_lines),
+                        elapsed=elapsed + time.time() - t_train), tmp)
+        os.replace(tmp, args.checkpoint)
+
     t_train = time.time()
-    for step in range(steps):
-        lr = args.lr * (step + 1) / warmup if step < warmup else \
-            0.1 * args.lr + 0.45 * args.lr * (1 + math.cos(math.pi * (step - warmup) /
-                                                         max(1, args.steps - warmup)))
+    t_bench = None
+    long_from = int(LONG_FROM * args.steps)
+    for step in range(start, 0 if args.export_only else steps):
+        if args.benchmark and step == 1:
+            t_bench = time.time()  # the first step warms up allocations
+        lr = lr_at(step, args.steps, args.lr)
         for g in opt.param_groups:
             g["lr"] = lr
-        x, y = batches(train, args.batch_size, CONFIG["seq_len"], gen)
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        if step < long_from:
+            x, y = batches(train, args.batch_size, min(SHORT_LEN, cfg["seq_len"]), gen)
+        else:
+            x, y = batches(train, args.batch_size // 2, cfg["seq_len"], gen)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not args.no_bf16):
+            logits = model(x)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        if step % 20 == 0 or step == steps - 1:
-            log("step %4d/%d  lr %.2e  train loss %.4f  %.1fs" % (
-                step, steps, lr, loss.item(), time.time() - t_train))
-        if step and step % 100 == 0 and not args.benchmark:
-            log("step %4d  val loss %.4f (first 32 windows)" % (
-                step, evaluate(model, val, CONFIG["seq_len"], 32)))
+        done = step + 1
+        if step % 10 == 0 or done == steps:
+            log("step %5d/%d  lr %.2e  train loss %.4f  %.0fs" % (
+                step, steps, lr, loss.item(), elapsed + time.time() - t_train))
+        if not args.benchmark and (done % args.eval_every == 0 or done == steps):
+            win = SHORT_LEN if done <= long_from else cfg["seq_len"]
+            v = evaluate(model, val, win)
+            log("step %5d  val loss %.4f nats/token, %.4f nats/char (windows of %d)  epoch %.2f"
+                % (done, v, per_char(v), win, done * tokens_per_step / len(train)))
+            save_state(done)
     if args.benchmark:
-        dt = (time.time() - t_train) / steps
-        log("%.2f s/step, %.0f tokens/s" % (dt, args.batch_size * CONFIG["seq_len"] / dt))
+        dt = (time.time() - t_bench) / (steps - 1)
+        log("%.2f s/step, %.0f tokens/s, %d parameters" % (dt, tokens_per_step / dt, n_params))
         return
+    elapsed += time.time() - t_train
 
-    val_loss = evaluate(model, val, CONFIG["seq_len"])
-    train_loss = evaluate(model, train[:len(val)], CONFIG["seq_len"])
-    log("final: val loss %.4f (perplexity %.2f), train loss %.4f (same number of tokens); "
-        "training %.0fs" % (val_loss, math.exp(val_loss), train_loss, time.time() - t_train))
+    val_loss = evaluate(model, val, cfg["seq_len"])
+    train_loss = evaluate(model, train[:len(val)], cfg["seq_len"])
+    log("final: val loss %.4f nats/token (perplexity %.2f), %.4f nats/char; train loss %.4f "
+        "nats/token, %.4f nats/char (same number of tokens); training %.0fs" % (
+            val_loss, math.exp(val_loss), per_char(val_loss), train_loss, per_char(train_loss),
+            elapsed))
 
     ckpt = os.path.join(args.models_dir, "kjv_tiny.bin")
     tok_path = os.path.join(args.models_dir, "tokenizer.bin")
@@ -612,9 +730,7 @@ def main():
     for prompt in ["And God said", "Once upon a time"]:
         log("sample (T=0.8) %r:\n%s" % (prompt, sample(model, tok, prompt, 120, 0.8, sgen)))
     write_oracle(model, tok, args.oracle_dir, log, encode_text)
-    log("total %.0fs" % (time.time() - t0))
-    with open(os.path.join(args.models_dir, "train_log.txt"), "w") as f:
-        f.write("\n".join(log_lines) + "\n")
+    log("total %.0fs (this process)" % (time.time() - t0))
 
 
 if __name__ == "__main__":
