@@ -478,7 +478,8 @@ int generate_with(const Run& run, const kvdecode::Model<float, W>& model, S& cac
   const ModelConfig& cfg = model.config();
   const Tokenizer& tokenizer = run.src.tokenizer;
   const std::vector<std::int32_t>& prompt = run.prompt;
-  Activations<float> act(cfg, {.max_chunk = chunk, .store_scratch = cache.block_scratch_size(), .thread_pool = &pool});
+  Activations<float> act(
+      cfg, {.max_chunk = chunk, .store_scratch = cache.block_scratch_size(), .thread_pool = &pool});
   WorkCounters counters;
   act.counters = &counters;
   SamplerOptions so{o.temperature, o.top_p, o.top_k, run.seed};
@@ -535,8 +536,8 @@ int generate_with(const Run& run, const kvdecode::Model<float, W>& model, S& cac
     ++tokens_seen;
     if (token != Tokenizer::kBos) {
       const std::string_view piece = shown_piece(tokenizer.decode(prev, token));
-      ended_line = finish_line && tokens_seen > static_cast<std::size_t>(o.n) &&
-                   piece.ends_with('\n');
+      ended_line =
+          finish_line && tokens_seen > static_cast<std::size_t>(o.n) && piece.ends_with('\n');
       write_out(text.push(ended_line ? piece.substr(0, piece.size() - 1) : piece));
     }
     prev = token;
@@ -643,7 +644,8 @@ int chat_with(const Run& run, const kvdecode::Model<float, W>& model, S& cache,
   const Options& o = run.o;
   const ModelConfig& cfg = model.config();
   const Tokenizer& tokenizer = run.src.tokenizer;
-  Activations<float> act(cfg, {.max_chunk = chunk, .store_scratch = cache.block_scratch_size(), .thread_pool = &pool});
+  Activations<float> act(
+      cfg, {.max_chunk = chunk, .store_scratch = cache.block_scratch_size(), .thread_pool = &pool});
   SamplerOptions so{o.temperature, o.top_p, o.top_k, run.seed};
   so.min_p = o.min_p;
   so.repeat_penalty = o.repeat_penalty;
