@@ -258,7 +258,7 @@ class CacheFileStoreTest : public ::testing::Test {
     fs::remove_all(dir_, ec);
   }
 
-  Activations<float> activations(const S& s, {.max_chunk = 1}) const {
+  Activations<float> activations(const S& s) const {
     return Activations<float>(cfg_, {.max_chunk = kChunk, .store_scratch = s.block_scratch_size()});
   }
 
