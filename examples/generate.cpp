@@ -719,8 +719,9 @@ int with_store(const Run& run, const kvdecode::Model<float, W>& model, kvdecode:
       throw cli::UsageError{"--sinks + --window = " + std::to_string(sinks + o.window) +
                             " exceeds the model's seq_len " + std::to_string(seq_len)};
     // No prefill chunk is longer than S + W (generate() feeds the rest of a longer prompt one
-    // token at a time), and the ring's size grows with the chunk.
-    chunk = std::min(chunk, sinks + o.window);
+    // token at a time), and the ring's size grows with the chunk. It does not depend on the
+    // prompt, so a saved window cache restores for any prompt (its ring has the same shape).
+    chunk = std::max<std::size_t>(1, std::min(o.chunk, sinks + o.window));
   }
   return with_store_type(o, [&]<class S>(std::type_identity<S>) -> int {
     // The store's options from the flags, by what the options hold (not by the store's type).

@@ -331,9 +331,14 @@ std::vector<std::uint64_t> run_counted(const Model<float>& model, S& s, std::siz
   Activations<float> act(cfg, {.max_chunk = chunk, .store_scratch = s.block_scratch_size()});
   act.counters = &c;
   std::vector<std::uint64_t> ends;
-  model.prefill(std::span<const std::int32_t>(seq).first(p), s, act);
-  for (std::size_t e = chunk; e < p; e += chunk) ends.push_back(e);
-  ends.push_back(p);
+  // The prompt in appends of at most `chunk` positions, as generate() feeds a store whose
+  // max_append() is smaller (a window's ring): one pass each.
+  for (std::size_t done = 0; done < p;) {
+    const std::size_t m = std::min({chunk, p - done, s.max_append()});
+    model.prefill(std::span<const std::int32_t>(seq).subspan(done, m), s, act);
+    done += m;
+    ends.push_back(done);
+  }
   for (std::size_t t = p; t < p + n; ++t) {
     model.decode(seq[t], s, act);
     ends.push_back(t + 1);

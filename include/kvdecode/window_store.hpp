@@ -394,6 +394,8 @@ class WindowStore {
     const std::size_t heads = n_layers_ * n_kv_heads_, hs = head_size_;
     FileState s;
     s.tokens = in.tokens(n, "token ids");
+    // Room for what the store reserves, so commit_payload can take the vector over.
+    s.tokens.reserve(std::max(n, tokens_.capacity()));
     const std::uint64_t oldest = in.u64("oldest resident index");
     KVDECODE_CHECK(oldest >= sinks_ && oldest <= std::max(sinks_, n), in.context(),
                    ": oldest resident index ", oldest, " lies outside [S, max(S, n)] = [", sinks_,
@@ -420,7 +422,7 @@ class WindowStore {
   void commit_payload(FileState& s) noexcept {
     const std::size_t n = s.tokens.size(), hs = head_size_;
     const std::size_t ns = std::min(sinks_, n), nr = n - std::min(n, s.lo);
-    std::copy_n(s.tokens.data(), n, tokens_.data());
+    tokens_.swap(s.tokens);  // [n], with the capacity the store reserves
     for (std::size_t lh = 0; lh < n_layers_ * n_kv_heads_; ++lh) {
       std::copy_n(s.sink_keys.data() + lh * ns * hs, ns * hs, sink_keys_.data() + lh * sinks_ * hs);
       std::copy_n(s.sink_values.data() + lh * ns * hs, ns * hs,
