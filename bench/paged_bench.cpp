@@ -279,7 +279,8 @@ void BM_DecodeBatch(benchmark::State& state) {
   }
   for (auto& s : seqs) ptrs.push_back(&s);
   ThreadPool threads(n_threads);
-  Activations<float> act(cfg, {.max_chunk = 1, .max_batch = B, .thread_pool = n_threads > 1 ? &threads : nullptr});
+  Activations<float> act(
+      cfg, {.max_chunk = 1, .max_batch = B, .thread_pool = n_threads > 1 ? &threads : nullptr});
   std::vector<std::int32_t> next(B);
   for (std::size_t b = 0; b < B; ++b) next[b] = static_cast<std::int32_t>(1 + b);
   const std::span<PagedStore<float>* const> stores(ptrs);

@@ -34,7 +34,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   kf::write_scratch(path, file.data(), file.size());
 
   kf::with_cache_store((data[0] >> 1) % kf::kCacheKinds, model.config(), [&](auto& store) {
-    kvdecode::Activations<float> act(model.config(), {.max_chunk = kf::kMaxTokens, .store_scratch = store.block_scratch_size()});
+    kvdecode::Activations<float> act(
+        model.config(), {.max_chunk = kf::kMaxTokens, .store_scratch = store.block_scratch_size()});
     kf::feed(model, store, act, before);
     const kf::StoreState was = kf::store_state(store);
     try {

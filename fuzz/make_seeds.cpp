@@ -113,7 +113,8 @@ int main(int argc, char** argv) {
   for (int kind = 0; kind < kvdecode::fuzz::kCacheKinds; ++kind) {
     for (const std::size_t len : {0u, 3u, 8u}) {
       kvdecode::fuzz::with_cache_store(kind, model.config(), [&](auto& s) {
-        kvdecode::Activations<float> act(model.config(), {.max_chunk = kvdecode::fuzz::kMaxTokens, .store_scratch = s.block_scratch_size()});
+        kvdecode::Activations<float> act(model.config(), {.max_chunk = kvdecode::fuzz::kMaxTokens,
+                                                          .store_scratch = s.block_scratch_size()});
         kvdecode::fuzz::feed(model, s, act, std::span<const std::int32_t>(tokens).first(len));
         kvdecode::save_cache(model, s, cache);
       });

@@ -9,8 +9,8 @@
 
 #include "kvdecode/aligned_buffer.hpp"
 #include "kvdecode/attention.hpp"
-#include "kvdecode/error.hpp"
 #include "kvdecode/detail/gemm.hpp"
+#include "kvdecode/error.hpp"
 #include "kvdecode/model_config.hpp"
 #include "kvdecode/thread_pool.hpp"
 #include "kvdecode/work_counters.hpp"

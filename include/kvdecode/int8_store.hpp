@@ -15,9 +15,9 @@
 #include <vector>
 
 #include "kvdecode/aligned_buffer.hpp"
-#include "kvdecode/detail/store_sizes.hpp"
 #include "kvdecode/detail/cpu.hpp"
 #include "kvdecode/detail/quantize.hpp"
+#include "kvdecode/detail/store_sizes.hpp"
 #include "kvdecode/error.hpp"
 #include "kvdecode/kv_store.hpp"
 #include "kvdecode/model_config.hpp"
@@ -271,7 +271,8 @@ class Int8Store {
     for (std::size_t c = 0; c < head_size_; ++c) {
       // The clamp only catches x·inv rounding a hair past ±127.
       const float r = std::nearbyint(static_cast<float>(x[c]) * inv);
-      q[c] = static_cast<std::int8_t>(std::clamp(r, -kLevels, kLevels));
+      // A NaN (a non-finite row) is stored as 0 instead of an undefined conversion.
+      q[c] = static_cast<std::int8_t>(std::isnan(r) ? 0.0f : std::clamp(r, -kLevels, kLevels));
     }
     return scale;
   }

@@ -15,9 +15,9 @@
 #include <vector>
 
 #include "kvdecode/aligned_buffer.hpp"
-#include "kvdecode/detail/store_sizes.hpp"
 #include "kvdecode/detail/cpu.hpp"
 #include "kvdecode/detail/quantize.hpp"
+#include "kvdecode/detail/store_sizes.hpp"
 #include "kvdecode/error.hpp"
 #include "kvdecode/kv_store.hpp"
 #include "kvdecode/model_config.hpp"
@@ -419,9 +419,11 @@ class Q4Store {
     mn = lo;
     step = (hi - lo) / kLevels;
   }
+  /// A non-finite row (a NaN or an infinity in the K/V) gives code 0 instead of an undefined
+  /// conversion; its (min, step) carry the NaN on to attention.
   static std::uint8_t code(T x, float mn, float inv) {
     const float r = std::nearbyint((static_cast<float>(x) - mn) * inv);
-    return static_cast<std::uint8_t>(std::clamp(r, 0.0f, kLevels));
+    return static_cast<std::uint8_t>(r >= 0.0f ? std::min(r, kLevels) : 0.0f);
   }
 
   /// Staging rows [G][head_size] of (layer, kv head) → codes and (min, step) of group g.
