@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "bench_model.hpp"
-#include "kvdecode/tokenizer.hpp"
+#include "kvdecode/text/tokenizer.hpp"
 
 #ifndef KVDECODE_TEST_DATA_DIR
 #error "define KVDECODE_TEST_DATA_DIR as the tests/data directory (bench/CMakeLists.txt does)"

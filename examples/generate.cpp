@@ -20,7 +20,7 @@
 #include <kvdecode/io/cache_file.hpp>
 #include <kvdecode/io/checkpoint.hpp>
 #include <kvdecode/kvdecode.hpp>
-#include <kvdecode/tokenizer.hpp>
+#include <kvdecode/text/tokenizer.hpp>
 #include <limits>
 #include <optional>
 #include <random>

@@ -4,7 +4,7 @@
 // prefills only the rest, then all admitted requests decode together, one Model::decode_batch
 // step per token (every weight read once per step for the whole batch). Prints per-request
 // queue wait, time to first token and prefix hits, and aggregate tokens/s. Runs the library's
-// demo model (kvdecode/demo_model.hpp). `serve_batch --help` lists the flags.
+// demo model (kvdecode/model/demo_model.hpp). `serve_batch --help` lists the flags.
 #include <unistd.h>
 
 #include <algorithm>

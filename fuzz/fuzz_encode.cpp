@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "fuzz_util.hpp"
-#include "kvdecode/tokenizer.hpp"
+#include "kvdecode/text/tokenizer.hpp"
 
 #ifndef KVDECODE_FUZZ_TOKENIZER
 #error "define KVDECODE_FUZZ_TOKENIZER as the path of the fixture tokenizer.bin"

@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "fuzz_util.hpp"
-#include "kvdecode/tokenizer.hpp"
+#include "kvdecode/text/tokenizer.hpp"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   namespace kf = kvdecode::fuzz;

@@ -2,8 +2,8 @@
 // vocab 11, seq_len 8), so the seed cache files match the target's fingerprint.
 #pragma once
 
-#include "kvdecode/model_config.hpp"
-#include "kvdecode/weights.hpp"
+#include "kvdecode/model/model_config.hpp"
+#include "kvdecode/model/weights.hpp"
 
 namespace kvdecode::fuzz {
 

@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "kvdecode/kvdecode.hpp"
-#include "kvdecode/tokenizer.hpp"
+#include "kvdecode/text/tokenizer.hpp"
 #include "test_util.hpp"
 
 namespace {

@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "kvdecode/model_config.hpp"
+#include "kvdecode/model/model_config.hpp"
 #include "test_util.hpp"
 
 namespace kvdecode {

@@ -1,5 +1,5 @@
 // ContiguousStore: the conformance suite, its element order and its byte count.
-#include "kvdecode/contiguous_store.hpp"
+#include "kvdecode/store/contiguous_store.hpp"
 
 #include <gtest/gtest.h>
 

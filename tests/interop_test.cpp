@@ -24,7 +24,7 @@
 #include "fixture_files.hpp"
 #include "kvdecode/io/checkpoint.hpp"
 #include "kvdecode/kvdecode.hpp"
-#include "kvdecode/tokenizer.hpp"
+#include "kvdecode/text/tokenizer.hpp"
 
 namespace kvdecode {
 namespace {

@@ -22,7 +22,7 @@
 #include "fixture_files.hpp"
 #include "kvdecode/io/checkpoint.hpp"
 #include "kvdecode/kvdecode.hpp"
-#include "kvdecode/tokenizer.hpp"
+#include "kvdecode/text/tokenizer.hpp"
 
 namespace kvdecode {
 namespace {

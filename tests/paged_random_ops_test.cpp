@@ -13,8 +13,8 @@
 #include <string>
 #include <vector>
 
-#include "kvdecode/block_pool.hpp"
-#include "kvdecode/paged_store.hpp"
+#include "kvdecode/store/block_pool.hpp"
+#include "kvdecode/store/paged_store.hpp"
 #include "test_util.hpp"
 
 namespace kvdecode::testing_util {

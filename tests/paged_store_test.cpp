@@ -3,7 +3,7 @@
 // fork / copy-on-write, truncate, exhaustion, the prefix cache (hits, collisions, LRU eviction),
 // multi-turn continuation, and a decode step that allocates nothing.
 #define EIGEN_RUNTIME_NO_MALLOC
-#include "kvdecode/paged_store.hpp"
+#include "kvdecode/store/paged_store.hpp"
 
 #include <gtest/gtest.h>
 
@@ -15,8 +15,8 @@
 #include <vector>
 
 #include "counting_new.hpp"
-#include "kvdecode/block_pool.hpp"
-#include "kvdecode/contiguous_store.hpp"
+#include "kvdecode/store/block_pool.hpp"
+#include "kvdecode/store/contiguous_store.hpp"
 #include "store_conformance.hpp"
 
 namespace kvdecode::testing_util {

@@ -12,10 +12,10 @@
 #include <string>
 #include <vector>
 
-#include "kvdecode/int8_store.hpp"
+#include "kvdecode/store/int8_store.hpp"
 #include "kvdecode/io/checkpoint.hpp"
 #include "kvdecode/kvdecode.hpp"
-#include "kvdecode/q4_store.hpp"
+#include "kvdecode/store/q4_store.hpp"
 #include "test_util.hpp"
 
 namespace kvdecode::testing_util {

@@ -9,8 +9,8 @@
 #include <vector>
 
 #include "double_forward.hpp"
-#include "kvdecode/int8_store.hpp"
-#include "kvdecode/q4_store.hpp"
+#include "kvdecode/store/int8_store.hpp"
+#include "kvdecode/store/q4_store.hpp"
 #include "store_conformance.hpp"
 
 namespace kvdecode::testing_util {

@@ -1,6 +1,6 @@
 // Sampler: run.c's sampled ids (xorshift64* and the sampling rule), greedy ties, and the
 // distributions top-k / top-p sample from.
-#include "kvdecode/sampler.hpp"
+#include "kvdecode/generation/sampler.hpp"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>

@@ -1,6 +1,6 @@
 // TextStream: what a generator may print so far, with UTF-8 characters split over byte tokens
 // held until whole and text ended before a stop string.
-#include "kvdecode/text_stream.hpp"
+#include "kvdecode/text/text_stream.hpp"
 
 #include <gtest/gtest.h>
 

@@ -1,7 +1,7 @@
 // Tokenizer against llama2.c run.c: the fixture's encode cases, prompt and stdout, a literal
 // transcription of run.c's encode as the naive reference, glibc's sscanf for byte pieces, and
 // malformed tokenizer.bin files.
-#include "kvdecode/tokenizer.hpp"
+#include "kvdecode/text/tokenizer.hpp"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>

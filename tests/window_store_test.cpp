@@ -2,7 +2,7 @@
 // forward_reference(w, tokens, W) under chunked prefill and decode, through eviction, cancel and
 // rollback; streaming keeps its memory bounded past seq_len and gives kept tokens the positions
 // of a fresh forward over them.
-#include "kvdecode/window_store.hpp"
+#include "kvdecode/store/window_store.hpp"
 
 #include <gtest/gtest.h>
 

@@ -7,7 +7,7 @@
 #include <initializer_list>
 #include <limits>
 
-#include "kvdecode/model_config.hpp"
+#include "kvdecode/model/model_config.hpp"
 
 namespace kvdecode::detail {
 

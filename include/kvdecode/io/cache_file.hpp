@@ -43,17 +43,17 @@
 #endif
 #include <xxhash.h>
 
-#include "kvdecode/block_pool.hpp"
-#include "kvdecode/contiguous_store.hpp"
+#include "kvdecode/store/block_pool.hpp"
+#include "kvdecode/store/contiguous_store.hpp"
 #include "kvdecode/error.hpp"
-#include "kvdecode/int8_store.hpp"
-#include "kvdecode/kv_store.hpp"
-#include "kvdecode/model.hpp"
-#include "kvdecode/model_config.hpp"
-#include "kvdecode/paged_store.hpp"
-#include "kvdecode/q4_store.hpp"
-#include "kvdecode/weights.hpp"
-#include "kvdecode/window_store.hpp"
+#include "kvdecode/store/int8_store.hpp"
+#include "kvdecode/store/kv_store.hpp"
+#include "kvdecode/model/model.hpp"
+#include "kvdecode/model/model_config.hpp"
+#include "kvdecode/store/paged_store.hpp"
+#include "kvdecode/store/q4_store.hpp"
+#include "kvdecode/model/weights.hpp"
+#include "kvdecode/store/window_store.hpp"
 
 namespace kvdecode {
 

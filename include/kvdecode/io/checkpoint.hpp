@@ -22,8 +22,8 @@
 
 #include "kvdecode/aligned_buffer.hpp"
 #include "kvdecode/error.hpp"
-#include "kvdecode/model_config.hpp"
-#include "kvdecode/weights.hpp"
+#include "kvdecode/model/model_config.hpp"
+#include "kvdecode/model/weights.hpp"
 
 namespace kvdecode {
 

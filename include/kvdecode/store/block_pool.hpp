@@ -12,7 +12,7 @@
 
 #include "kvdecode/aligned_buffer.hpp"
 #include "kvdecode/error.hpp"
-#include "kvdecode/model_config.hpp"
+#include "kvdecode/model/model_config.hpp"
 
 namespace kvdecode {
 

@@ -5,7 +5,7 @@
 #include <cmath>
 #include <cstddef>
 
-#include "kvdecode/model_config.hpp"
+#include "kvdecode/model/model_config.hpp"
 
 namespace kvdecode {
 

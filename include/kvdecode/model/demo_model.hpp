@@ -4,8 +4,8 @@
 
 #include <cstdint>
 
-#include "kvdecode/model_config.hpp"
-#include "kvdecode/weights.hpp"
+#include "kvdecode/model/model_config.hpp"
+#include "kvdecode/model/weights.hpp"
 
 namespace kvdecode {
 

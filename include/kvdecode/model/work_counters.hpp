@@ -7,7 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "kvdecode/model_config.hpp"
+#include "kvdecode/model/model_config.hpp"
 
 namespace kvdecode {
 

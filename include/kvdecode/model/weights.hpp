@@ -9,7 +9,7 @@
 #include "kvdecode/aligned_buffer.hpp"
 #include "kvdecode/bf16.hpp"
 #include "kvdecode/error.hpp"
-#include "kvdecode/model_config.hpp"
+#include "kvdecode/model/model_config.hpp"
 
 namespace kvdecode {
 

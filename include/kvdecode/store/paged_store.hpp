@@ -14,10 +14,10 @@
 #include <utility>
 #include <vector>
 
-#include "kvdecode/block_pool.hpp"
+#include "kvdecode/store/block_pool.hpp"
 #include "kvdecode/detail/store_sizes.hpp"
 #include "kvdecode/error.hpp"
-#include "kvdecode/kv_store.hpp"
+#include "kvdecode/store/kv_store.hpp"
 
 namespace kvdecode {
 

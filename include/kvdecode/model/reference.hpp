@@ -10,8 +10,8 @@
 #include <vector>
 
 #include "kvdecode/error.hpp"
-#include "kvdecode/model_config.hpp"
-#include "kvdecode/weights.hpp"
+#include "kvdecode/model/model_config.hpp"
+#include "kvdecode/model/weights.hpp"
 
 namespace kvdecode {
 

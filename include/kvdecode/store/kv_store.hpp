@@ -8,7 +8,7 @@
 #include <span>
 #include <string_view>
 
-#include "kvdecode/model_config.hpp"
+#include "kvdecode/model/model_config.hpp"
 
 namespace kvdecode {
 
