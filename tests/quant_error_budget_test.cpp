@@ -12,9 +12,9 @@
 #include <string>
 #include <vector>
 
-#include "kvdecode/store/int8_store.hpp"
 #include "kvdecode/io/checkpoint.hpp"
 #include "kvdecode/kvdecode.hpp"
+#include "kvdecode/store/int8_store.hpp"
 #include "kvdecode/store/q4_store.hpp"
 #include "test_util.hpp"
 

@@ -12,11 +12,11 @@
 #include <type_traits>
 #include <vector>
 
-#include "kvdecode/model/activations.hpp"
 #include "kvdecode/error.hpp"
-#include "kvdecode/store/kv_store.hpp"
-#include "kvdecode/model/model.hpp"
 #include "kvdecode/generation/sampler.hpp"
+#include "kvdecode/model/activations.hpp"
+#include "kvdecode/model/model.hpp"
+#include "kvdecode/store/kv_store.hpp"
 
 namespace kvdecode {
 

@@ -15,13 +15,13 @@
 #include <type_traits>
 #include <vector>
 
-#include "kvdecode/model/activations.hpp"
 #include "kvdecode/detail/gemm.hpp"
 #include "kvdecode/error.hpp"
 #include "kvdecode/generation/generate.hpp"
-#include "kvdecode/store/kv_store.hpp"
-#include "kvdecode/model/model.hpp"
 #include "kvdecode/generation/sampler.hpp"
+#include "kvdecode/model/activations.hpp"
+#include "kvdecode/model/model.hpp"
+#include "kvdecode/store/kv_store.hpp"
 
 namespace kvdecode {
 

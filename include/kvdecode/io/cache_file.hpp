@@ -43,16 +43,16 @@
 #endif
 #include <xxhash.h>
 
-#include "kvdecode/store/block_pool.hpp"
-#include "kvdecode/store/contiguous_store.hpp"
 #include "kvdecode/error.hpp"
-#include "kvdecode/store/int8_store.hpp"
-#include "kvdecode/store/kv_store.hpp"
 #include "kvdecode/model/model.hpp"
 #include "kvdecode/model/model_config.hpp"
+#include "kvdecode/model/weights.hpp"
+#include "kvdecode/store/block_pool.hpp"
+#include "kvdecode/store/contiguous_store.hpp"
+#include "kvdecode/store/int8_store.hpp"
+#include "kvdecode/store/kv_store.hpp"
 #include "kvdecode/store/paged_store.hpp"
 #include "kvdecode/store/q4_store.hpp"
-#include "kvdecode/model/weights.hpp"
 #include "kvdecode/store/window_store.hpp"
 
 namespace kvdecode {

@@ -8,12 +8,12 @@
 #include <vector>
 
 #include "kvdecode/aligned_buffer.hpp"
-#include "kvdecode/model/attention.hpp"
 #include "kvdecode/detail/gemm.hpp"
 #include "kvdecode/error.hpp"
+#include "kvdecode/model/attention.hpp"
 #include "kvdecode/model/model_config.hpp"
-#include "kvdecode/thread_pool.hpp"
 #include "kvdecode/model/work_counters.hpp"
+#include "kvdecode/thread_pool.hpp"
 
 namespace kvdecode {
 

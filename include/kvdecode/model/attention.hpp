@@ -12,8 +12,8 @@
 #include "kvdecode/aligned_buffer.hpp"
 #include "kvdecode/detail/ops.hpp"
 #include "kvdecode/error.hpp"
-#include "kvdecode/store/kv_store.hpp"
 #include "kvdecode/model/model_config.hpp"
+#include "kvdecode/store/kv_store.hpp"
 #include "kvdecode/thread_pool.hpp"
 
 namespace kvdecode {

@@ -14,17 +14,17 @@
 #include <utility>
 #include <vector>
 
-#include "kvdecode/model/activations.hpp"
-#include "kvdecode/model/attention.hpp"
 #include "kvdecode/bf16.hpp"
 #include "kvdecode/detail/linear.hpp"
 #include "kvdecode/detail/ops.hpp"
 #include "kvdecode/error.hpp"
-#include "kvdecode/store/kv_store.hpp"
+#include "kvdecode/model/activations.hpp"
+#include "kvdecode/model/attention.hpp"
 #include "kvdecode/model/model_config.hpp"
 #include "kvdecode/model/reference.hpp"
 #include "kvdecode/model/rope.hpp"
 #include "kvdecode/model/weights.hpp"
+#include "kvdecode/store/kv_store.hpp"
 
 namespace kvdecode {
 

@@ -8,8 +8,8 @@
 
 #include "kvdecode/detail/store_sizes.hpp"
 #include "kvdecode/error.hpp"
-#include "kvdecode/store/kv_store.hpp"
 #include "kvdecode/model/model_config.hpp"
+#include "kvdecode/store/kv_store.hpp"
 
 namespace kvdecode {
 

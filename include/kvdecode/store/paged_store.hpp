@@ -14,9 +14,9 @@
 #include <utility>
 #include <vector>
 
-#include "kvdecode/store/block_pool.hpp"
 #include "kvdecode/detail/store_sizes.hpp"
 #include "kvdecode/error.hpp"
+#include "kvdecode/store/block_pool.hpp"
 #include "kvdecode/store/kv_store.hpp"
 
 namespace kvdecode {

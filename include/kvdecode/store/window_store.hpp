@@ -15,9 +15,9 @@
 #include "kvdecode/aligned_buffer.hpp"
 #include "kvdecode/detail/store_sizes.hpp"
 #include "kvdecode/error.hpp"
-#include "kvdecode/store/kv_store.hpp"
 #include "kvdecode/model/model_config.hpp"
 #include "kvdecode/model/rope.hpp"
+#include "kvdecode/store/kv_store.hpp"
 
 namespace kvdecode {
 
