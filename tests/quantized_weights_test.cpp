@@ -16,6 +16,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <filesystem>
+#include <iostream>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -23,7 +25,9 @@
 
 #include "kvdecode/detail/linear.hpp"
 #include "kvdecode/detail/qgemv.hpp"
+#include "kvdecode/io/checkpoint.hpp"
 #include "kvdecode/kvdecode.hpp"
+#include "kvdecode/text/tokenizer.hpp"
 #include "test_util.hpp"
 
 namespace kvdecode {
@@ -443,6 +447,150 @@ TEST(QuantizedModelTest, BatchAndPrefillAgreeWithDecode) {
     const auto lb1 = model.decode(tb, b1, sact);
     EXPECT_EQ(std::memcmp(lb.data() + la1.size(), lb1.data(), lb1.size() * sizeof(float)), 0) << i;
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Agreement with the f32 model: teacher-forced top-1 agreement and KL(f32 ‖ quantized) per
+// position, and how long a greedy continuation stays the f32 model's. The bounds are the
+// measured values (docs/QUANTIZATION.md, weights section) with margin, and the figures are
+// printed for that table.
+// ---------------------------------------------------------------------------------------------
+
+struct Agreement {
+  double top1 = 0;     // share of positions whose argmax is the f32 model's
+  double mean_kl = 0;  // mean over positions of KL(p_f32 ‖ p_q), nats
+  double max_kl = 0;
+};
+
+std::vector<double> softmax(std::span<const float> logits) {
+  std::vector<double> p(logits.size());
+  const double m = *std::max_element(logits.begin(), logits.end());
+  double sum = 0;
+  for (std::size_t i = 0; i < p.size(); ++i) sum += p[i] = std::exp(logits[i] - m);
+  for (double& v : p) v /= sum;
+  return p;
+}
+
+template <class W>
+Agreement teacher_forced(const Model<float>& ref, const Model<float, W>& q,
+                         std::span<const std::int32_t> tokens) {
+  const ModelConfig& c = ref.config();
+  ContiguousStore<float> s_ref(c), s_q(c);
+  Activations<float> a_ref(c), a_q(c);
+  Agreement a;
+  for (const std::int32_t t : tokens) {
+    const auto lr = ref.decode(t, s_ref, a_ref);
+    const auto lq = q.decode(t, s_q, a_q);
+    a.top1 += std::max_element(lr.begin(), lr.end()) ==
+              lr.begin() + (std::max_element(lq.begin(), lq.end()) - lq.begin());
+    const auto pr = softmax(lr);
+    const auto pq = softmax(lq);
+    double kl = 0;
+    for (std::size_t i = 0; i < pr.size(); ++i)
+      if (pr[i] > 0) kl += pr[i] * std::log(pr[i] / pq[i]);
+    a.mean_kl += kl;
+    a.max_kl = std::max(a.max_kl, kl);
+  }
+  a.top1 /= static_cast<double>(tokens.size());
+  a.mean_kl /= static_cast<double>(tokens.size());
+  return a;
+}
+
+/// Tokens a greedy continuation of n tokens agrees with the f32 model's before the first
+/// difference.
+template <class B>
+std::size_t greedy_prefix(const Model<float>& ref, const Model<float, B>& q,
+                          std::span<const std::int32_t> prompt, std::size_t n) {
+  const ModelConfig& c = ref.config();
+  ContiguousStore<float> s_ref(c), s_q(c);
+  Activations<float> a_ref(c), a_q(c);
+  auto lr = ref.prefill(prompt, s_ref, a_ref);
+  auto lq = q.prefill(prompt, s_q, a_q);
+  for (std::size_t i = 0; i < n; ++i) {
+    const auto tr = static_cast<std::int32_t>(std::max_element(lr.begin(), lr.end()) - lr.begin());
+    const auto tq = static_cast<std::int32_t>(std::max_element(lq.begin(), lq.end()) - lq.begin());
+    if (tr != tq) return i;
+    lr = ref.decode(tr, s_ref, a_ref);
+    lq = q.decode(tq, s_q, a_q);
+  }
+  return n;
+}
+
+constexpr const char* kKjvText =
+    "In the beginning God created the heaven and the earth. And the earth was without form, and "
+    "void; and darkness was upon the face of the deep. And the Spirit of God moved upon the face "
+    "of the waters. And God said, Let there be light: and there was light. And God saw the light, "
+    "that it was good: and God divided the light from the darkness. And God called the light Day, "
+    "and the darkness he called Night. And the evening and the morning were the first day. And "
+    "God said, Let there be a firmament in the midst of the waters, and let it divide the waters "
+    "from the waters.";
+
+constexpr const char* kKjvPrompts[] = {"And it came to pass", "The LORD is my shepherd",
+                                       "Blessed are the", "And Jesus said unto them"};
+
+template <class B>
+void report_kjv(const Model<float>& ref, const Tokenizer& tok, double min_top1, double max_kl,
+                std::size_t min_prefix_sum) {
+  Weights<B> qw = quantize_weights<B>(convert_weights<float>(ref.weights()));
+  const Model<float> weights_only(dequantize_weights(qw));  // f32 inputs, quantized weights
+  const Model<float, B> q(std::move(qw));
+  const auto text = tok.encode(kKjvText, true);
+  const Agreement a = teacher_forced(ref, q, text);
+  const Agreement wo = teacher_forced(ref, weights_only, text);
+  std::cout << "kjv_tiny " << block_format_name<B>() << " weights, f32 inputs: top-1 agreement "
+            << wo.top1 << ", mean KL " << wo.mean_kl << ", max KL " << wo.max_kl << "\n";
+  std::size_t prefix_sum = 0;
+  std::cout << "kjv_tiny " << block_format_name<B>() << " (" << active_kernel_set_name()
+            << "): teacher-forced " << text.size() << " tokens, top-1 agreement " << a.top1
+            << ", mean KL " << a.mean_kl << ", max KL " << a.max_kl << "; greedy 64-token prefix";
+  for (const char* p : kKjvPrompts) {
+    const std::size_t k = greedy_prefix(ref, q, tok.encode(p, true), 64);
+    prefix_sum += k;
+    std::cout << " " << k;
+  }
+  std::cout << "\n";
+  EXPECT_GE(a.top1, min_top1);
+  EXPECT_LE(a.mean_kl, max_kl);
+  EXPECT_GE(prefix_sum, min_prefix_sum);
+}
+
+TEST(QuantizedModelTest, KjvAgreementWithF32) {
+  const std::filesystem::path models =
+      std::filesystem::path(KVDECODE_TEST_DATA_DIR) / ".." / ".." / "models";
+  const Model<float> ref(load_checkpoint(models / "kjv_tiny.bin"));
+  const Tokenizer tok = Tokenizer::load(models / "tokenizer.bin", ref.config().vocab_size);
+  report_kjv<Q8_0>(ref, tok, 0.95, 0.002, 100);
+  report_kjv<Q4_0>(ref, tok, 0.8, 0.06, 10);
+}
+
+template <class B>
+void report_random(const ModelConfig& c, const char* name) {
+  const Weights<float> w = random_weights<float>(c, 5);
+  const Model<float, B> q(quantize_weights<B>(w));
+  const Model<float> ref(convert_weights<float>(w));
+  const auto tokens = testing_util::random_tokens(32, c.vocab_size, 6);
+  const Agreement a = teacher_forced(ref, q, tokens);
+  const Agreement wo =
+      teacher_forced(ref, Model<float>(dequantize_weights(quantize_weights<B>(w))), tokens);
+  std::cout << name << " random " << block_format_name<B>() << " weights, f32 inputs: top-1 "
+            << wo.top1 << ", mean KL " << wo.mean_kl << "\n";
+  std::cout << name << " random " << block_format_name<B>() << ": top-1 agreement " << a.top1
+            << ", mean KL " << a.mean_kl << ", max KL " << a.max_kl << "\n";
+}
+
+TEST(QuantizedModelTest, RandomShapesAgreementReport) {
+  report_random<Q8_0>(quant_config(), "dim 64");
+  report_random<Q4_0>(quant_config(), "dim 64");
+  ModelConfig c15;  // the 15M shape, fewer layers and a smaller vocabulary to stay quick
+  c15.dim = 288;
+  c15.hidden_dim = 768;
+  c15.n_layers = 2;
+  c15.n_heads = 6;
+  c15.n_kv_heads = 6;
+  c15.vocab_size = 512;
+  c15.seq_len = 64;
+  report_random<Q8_0>(c15, "dim 288");
+  report_random<Q4_0>(c15, "dim 288");
 }
 
 }  // namespace

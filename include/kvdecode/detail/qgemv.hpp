@@ -12,6 +12,7 @@
 #include <cstdint>
 
 #include "kvdecode/detail/cpu.hpp"
+#include "kvdecode/detail/gemv.hpp"  // KVDECODE_UNROLL
 #include "kvdecode/weight_blocks.hpp"
 
 namespace kvdecode::detail {
@@ -127,7 +128,7 @@ KVDECODE_TARGET_AVX2 inline float reduce_add_q_avx2(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
 }
 
-/// One row · one token: two f32 accumulators over alternate blocks hide the FMA latency.
+/// One row · one token: four f32 accumulators over blocks b mod 4 hide the FMA latency.
 /// acc + (d_w · d_x) · the block's integer dot product, as 8 lanes.
 template <class B>
 KVDECODE_TARGET_AVX2 inline __m256 qblock_avx2(const B& w, const std::int8_t* xc, float xs,
@@ -139,15 +140,18 @@ KVDECODE_TARGET_AVX2 inline __m256 qblock_avx2(const B& w, const std::int8_t* xc
 template <class B>
 KVDECODE_TARGET_AVX2 inline float qdot_avx2(const B* w, const std::int8_t* xc, const float* xs,
                                             std::size_t nb) {
-  __m256 acc0 = _mm256_setzero_ps();
-  __m256 acc1 = _mm256_setzero_ps();
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                    _mm256_setzero_ps()};
   std::size_t b = 0;
-  for (; b + 2 <= nb; b += 2) {
-    acc0 = qblock_avx2(w[b], xc + b * kWeightBlock, xs[b], acc0);
-    acc1 = qblock_avx2(w[b + 1], xc + (b + 1) * kWeightBlock, xs[b + 1], acc1);
+  for (; b + 4 <= nb; b += 4) {
+    KVDECODE_UNROLL
+    for (std::size_t i = 0; i < 4; ++i)
+      acc[i] = qblock_avx2(w[b + i], xc + (b + i) * kWeightBlock, xs[b + i], acc[i]);
   }
-  if (b < nb) acc0 = qblock_avx2(w[b], xc + b * kWeightBlock, xs[b], acc0);
-  return reduce_add_q_avx2(_mm256_add_ps(acc0, acc1));
+  for (std::size_t i = 0; b < nb; ++b, ++i)
+    acc[i] = qblock_avx2(w[b], xc + b * kWeightBlock, xs[b], acc[i]);
+  return reduce_add_q_avx2(
+      _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
 }
 
 template <class B>
@@ -183,15 +187,18 @@ KVDECODE_TARGET_AVX512BF16 inline __m256 qblock_vnni(const B& w, const std::int8
 template <class B>
 KVDECODE_TARGET_AVX512BF16 inline float qdot_vnni(const B* w, const std::int8_t* xc,
                                                   const float* xs, std::size_t nb) {
-  __m256 acc0 = _mm256_setzero_ps();
-  __m256 acc1 = _mm256_setzero_ps();
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                    _mm256_setzero_ps()};
   std::size_t b = 0;
-  for (; b + 2 <= nb; b += 2) {
-    acc0 = qblock_vnni(w[b], xc + b * kWeightBlock, xs[b], acc0);
-    acc1 = qblock_vnni(w[b + 1], xc + (b + 1) * kWeightBlock, xs[b + 1], acc1);
+  for (; b + 4 <= nb; b += 4) {
+    KVDECODE_UNROLL
+    for (std::size_t i = 0; i < 4; ++i)
+      acc[i] = qblock_vnni(w[b + i], xc + (b + i) * kWeightBlock, xs[b + i], acc[i]);
   }
-  if (b < nb) acc0 = qblock_vnni(w[b], xc + b * kWeightBlock, xs[b], acc0);
-  return reduce_add_q_avx2(_mm256_add_ps(acc0, acc1));
+  for (std::size_t i = 0; b < nb; ++b, ++i)
+    acc[i] = qblock_vnni(w[b], xc + b * kWeightBlock, xs[b], acc[i]);
+  return reduce_add_q_avx2(
+      _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
 }
 
 template <class B>
