@@ -128,7 +128,6 @@ KVDECODE_TARGET_AVX2 inline float reduce_add_q_avx2(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
 }
 
-/// One row · one token: four f32 accumulators over blocks b mod 4 hide the FMA latency.
 /// acc + (d_w · d_x) · the block's integer dot product, as 8 lanes.
 template <class B>
 KVDECODE_TARGET_AVX2 inline __m256 qblock_avx2(const B& w, const std::int8_t* xc, float xs,
@@ -137,11 +136,12 @@ KVDECODE_TARGET_AVX2 inline __m256 qblock_avx2(const B& w, const std::int8_t* xc
   return _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(w.d) * xs), s, acc);
 }
 
+/// One row · one token: four f32 accumulators over blocks b mod 4.
 template <class B>
 KVDECODE_TARGET_AVX2 inline float qdot_avx2(const B* w, const std::int8_t* xc, const float* xs,
                                             std::size_t nb) {
   __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
-                    _mm256_setzero_ps()};
+                   _mm256_setzero_ps()};
   std::size_t b = 0;
   for (; b + 4 <= nb; b += 4) {
     KVDECODE_UNROLL
@@ -184,11 +184,12 @@ KVDECODE_TARGET_AVX512BF16 inline __m256 qblock_vnni(const B& w, const std::int8
   return _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(w.d) * xs), s, acc);
 }
 
+/// One row · one token, as qdot_avx2.
 template <class B>
 KVDECODE_TARGET_AVX512BF16 inline float qdot_vnni(const B* w, const std::int8_t* xc,
                                                   const float* xs, std::size_t nb) {
   __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
-                    _mm256_setzero_ps()};
+                   _mm256_setzero_ps()};
   std::size_t b = 0;
   for (; b + 4 <= nb; b += 4) {
     KVDECODE_UNROLL
