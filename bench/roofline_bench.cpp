@@ -1,6 +1,7 @@
-// Decode and prefill of the 15M / 42M / 110M shapes at 1 and 2 threads with f32 and bf16
-// weights, against rooflines measured in the same run: a read-bandwidth probe (sum of a
-// 512 MiB array) for decode, the f32 FMA peak for prefill.
+// Decode and prefill of the 15M / 42M / 110M shapes at 1 and 2 threads with f32, bf16, q8_0 and
+// q4_0 weights (the four interleaved at each shape and thread count), against rooflines
+// measured in the same run: a read-bandwidth probe (sum of a 512 MiB array) for decode, the f32
+// FMA peak for prefill.
 //
 // Counters: tok/s; GB/s = bytes a decode step must read (weights + K/V) × tok/s; roofline% =
 // GB/s ÷ the probe's GB/s at the same thread count, probed just before the timed loop;
@@ -199,11 +200,17 @@ const std::vector<Shape>& shapes() {
   return s;
 }
 
-/// Both weight types of one shape, built once: bf16 is the f32 weights rounded.
+/// The weight types of one shape, built once: bf16 is the f32 weights rounded, q8_0 and q4_0
+/// the f32 weights quantized.
 struct Models {
   std::unique_ptr<Model<float, bf16>> bf;
+  std::unique_ptr<Model<float, Q8_0>> q8;
+  std::unique_ptr<Model<float, Q4_0>> q4;
   std::unique_ptr<Model<float>> f32;
 };
+
+enum class WeightType { kF32, kBf16, kQ8_0, kQ4_0 };
+constexpr const char* kWeightTypeNames[] = {"f32", "bf16", "q8_0", "q4_0"};
 
 Models& models(std::size_t shape) {
   static std::map<std::size_t, Models> cache;
@@ -211,9 +218,28 @@ Models& models(std::size_t shape) {
   if (!m.f32) {
     Weights<float> w = random_weights<float>(shapes()[shape].cfg, 42);
     m.bf = std::make_unique<Model<float, bf16>>(convert_weights<bf16>(w));
+    m.q8 = std::make_unique<Model<float, Q8_0>>(quantize_weights<Q8_0>(w));
+    m.q4 = std::make_unique<Model<float, Q4_0>>(quantize_weights<Q4_0>(w));
     m.f32 = std::make_unique<Model<float>>(std::move(w));
   }
   return m;
+}
+
+/// Runs fn on the model of this shape with weights of type wt.
+template <class Fn>
+void with_model(std::size_t shape, WeightType wt, Fn&& fn) {
+  Models& m = models(shape);
+  switch (wt) {
+    case WeightType::kBf16:
+      return fn(*m.bf);
+    case WeightType::kQ8_0:
+      return fn(*m.q8);
+    case WeightType::kQ4_0:
+      return fn(*m.q4);
+    case WeightType::kF32:
+      break;
+  }
+  fn(*m.f32);
 }
 
 /// Bytes a decode step at `context` cached positions must read: every weight once plus every
@@ -299,22 +325,14 @@ void prefill_loop(benchmark::State& state, const Model<float, W>& model, std::si
         100.0 * gflops / (measured_peak() * static_cast<double>(threads));
 }
 
-void BM_ShapeDecode(benchmark::State& state, std::size_t shape, std::size_t threads, bool bf) {
-  Models& m = models(shape);
-  if (bf) {
-    decode_loop(state, *m.bf, threads, kDecodeContext);
-  } else {
-    decode_loop(state, *m.f32, threads, kDecodeContext);
-  }
+void BM_ShapeDecode(benchmark::State& state, std::size_t shape, std::size_t threads,
+                    WeightType wt) {
+  with_model(shape, wt, [&](const auto& m) { decode_loop(state, m, threads, kDecodeContext); });
 }
 
-void BM_ShapePrefill(benchmark::State& state, std::size_t shape, std::size_t threads, bool bf) {
-  Models& m = models(shape);
-  if (bf) {
-    prefill_loop(state, *m.bf, threads);
-  } else {
-    prefill_loop(state, *m.f32, threads);
-  }
+void BM_ShapePrefill(benchmark::State& state, std::size_t shape, std::size_t threads,
+                     WeightType wt) {
+  with_model(shape, wt, [&](const auto& m) { prefill_loop(state, m, threads); });
 }
 
 /// A decode step at several contexts (42M, f32): the slope of time over T should be the K/V
@@ -335,16 +353,26 @@ int main(int argc, char** argv) {
         ->Unit(benchmark::kMillisecond)
         ->UseRealTime();
   benchmark::RegisterBenchmark("BM_FmaPeak", BM_FmaPeak)->Iterations(3)->UseRealTime();
+  constexpr WeightType kTypes[] = {WeightType::kF32, WeightType::kBf16, WeightType::kQ8_0,
+                                   WeightType::kQ4_0};
   for (std::size_t s = 0; s < shapes().size(); ++s)
-    for (const bool bf : {false, true})
-      for (const std::size_t t : {1, 2}) {
-        const std::string suffix = std::string("/") + shapes()[s].name + (bf ? "/bf16" : "/f32") +
+    for (const std::size_t t : {1, 2})
+      for (const WeightType wt : kTypes) {  // the weight types side by side: interleaved
+        const std::string suffix = std::string("/") + shapes()[s].name + "/" +
+                                   kWeightTypeNames[static_cast<int>(wt)] +
                                    "/threads:" + std::to_string(t);
-        benchmark::RegisterBenchmark(("BM_ShapeDecode" + suffix).c_str(), BM_ShapeDecode, s, t, bf)
+        benchmark::RegisterBenchmark(("BM_ShapeDecode" + suffix).c_str(), BM_ShapeDecode, s, t, wt)
             ->Unit(benchmark::kMillisecond)
             ->UseRealTime();
+      }
+  for (std::size_t s = 0; s < shapes().size(); ++s)
+    for (const std::size_t t : {1, 2})
+      for (const WeightType wt : kTypes) {
+        const std::string suffix = std::string("/") + shapes()[s].name + "/" +
+                                   kWeightTypeNames[static_cast<int>(wt)] +
+                                   "/threads:" + std::to_string(t);
         benchmark::RegisterBenchmark(("BM_ShapePrefill" + suffix).c_str(), BM_ShapePrefill, s, t,
-                                     bf)
+                                     wt)
             ->Unit(benchmark::kMillisecond)
             ->UseRealTime();
       }

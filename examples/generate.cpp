@@ -46,7 +46,7 @@ constexpr std::string_view kDemo = "demo";
 constexpr const char* kKjvPrompt = "And it came to pass";
 constexpr const char* kStoriesPrompt = "Once upon a time";
 
-enum class WeightType { kF32, kBf16 };
+enum class WeightType { kF32, kBf16, kQ8_0, kQ4_0 };
 enum class KvType { kF32, kInt8, kQ4, kPaged };
 
 struct Options {
@@ -108,9 +108,14 @@ void declare(CLI::App& app, Options& o) {
                  "llama2.c tokenizer.bin (default: tokenizer.bin beside the model); must have "
                  "the checkpoint's vocabulary size")
       ->group(model);
-  cli::choice(app, "--weights", o.weights, {{"f32", WeightType::kF32}, {"bf16", WeightType::kBf16}},
-              "f32, or bf16: weights rounded to bfloat16, half the bytes a decode step reads; "
-              "arithmetic stays f32")
+  cli::choice(app, "--weights", o.weights,
+              {{"f32", WeightType::kF32},
+               {"bf16", WeightType::kBf16},
+               {"q8_0", WeightType::kQ8_0},
+               {"q4_0", WeightType::kQ4_0}},
+              "f32; bf16: weights rounded to bfloat16, half the bytes a decode step reads; "
+              "q8_0 / q4_0: ggml's blocks of 32 weights (34 / 18 bytes), quantized on load, "
+              "integer dot products; arithmetic otherwise f32")
       ->group(model);
 
   const char* text = "Text";
@@ -561,7 +566,10 @@ int generate_with(const Run& run, const kvdecode::Model<float, W>& model, S& cac
                "seq_len %lld)\n",
                run.src.name.c_str(), ll(cfg.dim), ll(cfg.n_layers), ll(cfg.n_heads),
                ll(cfg.n_kv_heads), ll(cfg.vocab_size), ll(cfg.seq_len));
-  std::fprintf(out, "weights            %s, %zu bytes\n", std::is_same_v<W, bf16> ? "bf16" : "f32",
+  std::fprintf(out, "weights            %s, %zu bytes\n",
+               std::is_same_v<W, bf16> ? "bf16"
+               : kIsBlockFormat<W>     ? block_format_name<W>()
+                                       : "f32",
                model.weights().bytes());
   std::fprintf(out, "load               %.2f ms (weights and tokenizer)\n", run.src.load_ms);
   std::fprintf(out, "kernels            %s\n", active_kernel_set_name());
@@ -761,6 +769,14 @@ int run(const Options& o) {
   // The model takes the weights over (bf16: rounded copies; the f32 ones are freed here).
   if (o.weights == WeightType::kBf16) {
     const Model<float, bf16> model(convert_weights<bf16>(std::exchange(src.weights, {})));
+    return with_store(r, model, pool);
+  }
+  if (o.weights == WeightType::kQ8_0) {
+    const Model<float, Q8_0> model(quantize_weights<Q8_0>(std::exchange(src.weights, {})));
+    return with_store(r, model, pool);
+  }
+  if (o.weights == WeightType::kQ4_0) {
+    const Model<float, Q4_0> model(quantize_weights<Q4_0>(std::exchange(src.weights, {})));
     return with_store(r, model, pool);
   }
   const Model<float> model(std::exchange(src.weights, {}));

@@ -43,6 +43,37 @@ TEST(AllocationTest, DecodeStepAllocatesNothingDouble) {
   expect_decode_allocates_nothing<double>(testing_util::small_config(8, 1, 40));
 }
 
+// Block-format weights: the input quantization writes into the Activations' scratch, on one
+// thread and on a pool.
+template <class B>
+void expect_quantized_decode_allocates_nothing(ThreadPool* pool) {
+  const ModelConfig cfg =
+      testing_util::small_config(4, 2, 60);  // dim 64, hidden 96: multiples of 32
+  const Model<float, B> model(quantize_weights<B>(random_weights<float>(cfg, 3)));
+  ContiguousStore<float> cache(cfg);
+  Activations<float> act(cfg, {.max_chunk = 1, .thread_pool = pool});
+  const auto tokens =
+      testing_util::random_tokens(static_cast<std::size_t>(cfg.seq_len), cfg.vocab_size, 1);
+  model.decode(tokens[0], cache, act);  // warm-up outside the counted region
+  const long before = g_allocations.load();
+  Eigen::internal::set_is_malloc_allowed(false);
+  for (std::size_t p = 1; p < tokens.size(); ++p) model.decode(tokens[p], cache, act);
+  Eigen::internal::set_is_malloc_allowed(true);
+  EXPECT_EQ(g_allocations.load() - before, 0) << "heap allocations during decode";
+  EXPECT_EQ(cache.size(), tokens.size());
+}
+
+TEST(AllocationTest, DecodeStepAllocatesNothingQ8) {
+  expect_quantized_decode_allocates_nothing<Q8_0>(nullptr);
+  ThreadPool pool(2);
+  expect_quantized_decode_allocates_nothing<Q8_0>(&pool);
+}
+TEST(AllocationTest, DecodeStepAllocatesNothingQ4) {
+  expect_quantized_decode_allocates_nothing<Q4_0>(nullptr);
+  ThreadPool pool(2);
+  expect_quantized_decode_allocates_nothing<Q4_0>(&pool);
+}
+
 // The counter itself works: each kind of allocation is seen, once.
 TEST(AllocationTest, CounterSeesAllocations) {
   long before = g_allocations.load();

@@ -73,7 +73,7 @@ def generate(runs, machine):
 
     rows = []
     for s in SHAPES:
-        for w in ("f32", "bf16"):
+        for w in ("f32", "bf16", "q8_0", "q4_0"):
             for t in (1, 2):
                 d = f"BM_ShapeDecode/{s}/{w}/threads:{t}"
                 p = f"BM_ShapePrefill/{s}/{w}/threads:{t}"

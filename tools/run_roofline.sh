@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs roofline_bench (decode and prefill of the 15M / 42M / 110M shapes, f32 and bf16 weights,
+# Runs roofline_bench (decode and prefill of the 15M / 42M / 110M shapes, f32, bf16, q8_0, q4_0 weights,
 # 1 and 2 threads, against the read bandwidth and FMA peak probed in the same run) with JSON
 # output and rewrites the performance tables of docs/RESULTS.md.
 #

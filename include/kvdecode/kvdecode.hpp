@@ -29,3 +29,4 @@
 #include "kvdecode/text/text_stream.hpp"
 #include "kvdecode/text/tokenizer.hpp"
 #include "kvdecode/thread_pool.hpp"
+#include "kvdecode/weight_blocks.hpp"

@@ -15,10 +15,10 @@
 // x86 kernels need the GCC/Clang target attribute; elsewhere only the portable set exists.
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
 #define KVDECODE_X86_KERNELS 1
-#define KVDECODE_TARGET_AVX2 __attribute__((target("avx2,fma")))
-#define KVDECODE_TARGET_AVX512 __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl")))
+#define KVDECODE_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define KVDECODE_TARGET_AVX512 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl")))
 #define KVDECODE_TARGET_AVX512BF16 \
-  __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512bf16")))
+  __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512bf16,avx512vnni")))
 #else
 #define KVDECODE_X86_KERNELS 0
 #endif
@@ -48,8 +48,9 @@ KVDECODE_INTRINSICS_END
 namespace kvdecode {
 
 /// A set of kernels, each needing the instructions of the ones before it plus its own:
-/// kPortable plain C++ (and Eigen) only; kAvx2 AVX2 + FMA; kAvx512 AVX-512 F/BW/VL;
-/// kAvx512Bf16 that plus AVX512_BF16's dot product for bf16 weights.
+/// kPortable plain C++ (and Eigen) only; kAvx2 AVX2 + FMA + F16C; kAvx512 AVX-512 F/BW/VL;
+/// kAvx512Bf16 that plus AVX512_BF16's dot product for bf16 weights and AVX512_VNNI's for
+/// block-quantized ones (every CPU with AVX512_BF16 has VNNI, so VNNI needs no set of its own).
 enum class KernelSet { kPortable, kAvx2, kAvx512, kAvx512Bf16 };
 
 inline constexpr std::array<KernelSet, 4> kKernelSets = {
@@ -84,12 +85,14 @@ inline bool cpu_supports(KernelSet s) {
     case KernelSet::kPortable:
       return true;
     case KernelSet::kAvx2:
-      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+             __builtin_cpu_supports("f16c");
     case KernelSet::kAvx512:
       return cpu_supports(KernelSet::kAvx2) && __builtin_cpu_supports("avx512f") &&
              __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
     case KernelSet::kAvx512Bf16:
-      return cpu_supports(KernelSet::kAvx512) && __builtin_cpu_supports("avx512bf16");
+      return cpu_supports(KernelSet::kAvx512) && __builtin_cpu_supports("avx512bf16") &&
+             __builtin_cpu_supports("avx512vnni");
   }
   return false;
 #else

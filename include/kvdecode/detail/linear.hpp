@@ -13,6 +13,7 @@
 #include "kvdecode/detail/cpu.hpp"
 #include "kvdecode/detail/gemm.hpp"
 #include "kvdecode/detail/gemv.hpp"
+#include "kvdecode/detail/qgemv.hpp"
 #include "kvdecode/thread_pool.hpp"
 
 namespace kvdecode::detail {
@@ -28,14 +29,62 @@ struct Projection {
 /// The scratch a multi-token projection needs (none for one token).
 template <class T>
 struct LinearScratch {
-  T* panels = nullptr;           // [threads][kPanelRows][in] widened bf16 weights (W ≠ T)
-  std::size_t panel_stride = 0;  // elements between two threads' panels
-  T* x_rounded = nullptr;        // [n][in] x rounded to bf16 (W ≠ T)
+  T* panels = nullptr;             // [threads][kPanelRows][in] widened bf16 weights (W ≠ T)
+  std::size_t panel_stride = 0;    // elements between two threads' panels
+  T* x_rounded = nullptr;          // [n][in] x rounded to bf16 (W ≠ T)
+  std::int8_t* x_codes = nullptr;  // [n][in] x quantized (block-format W)
+  float* x_scales = nullptr;       // [n][in / 32] their scales (block-format W)
 };
 
 /// Below this many weights a projection runs on one thread: waking the pool (~1-2 µs) would
 /// cost more than the ~1 µs of work it shares out.
 inline constexpr std::size_t kMinParallelWeights = std::size_t{1} << 15;
+
+/// Block-format weights (W = Q8_0, Q4_0): x is quantized once into the scratch for every
+/// projection and thread (qgemv.hpp); then the one-token split above, or for several tokens a
+/// static split of rows, every thread running all n tokens over its rows (qgemm_rows).
+template <class T, class W>
+void linear_group_blocks(std::initializer_list<Projection<T, W>> ps, const T* x, std::size_t n,
+                         std::size_t in, ThreadPool* pool, const LinearScratch<T>& scratch,
+                         KernelSet ks) {
+  static_assert(std::is_same_v<T, float>, "block-format weights compute in f32");
+  quantize_activations(x, n, in, scratch.x_codes, scratch.x_scales);
+  const std::int8_t* const xc = scratch.x_codes;
+  const float* const xs = scratch.x_scales;
+  std::size_t weights = 0;
+  for (const Projection<T, W>& p : ps) weights += p.out * in;
+  ThreadPool* const threads = weights >= kMinParallelWeights ? pool : nullptr;
+  if (n == 1 && threads != nullptr && threads->size() > 1) {
+    const std::size_t row_bytes = in / kWeightBlock * sizeof(W);
+    const std::size_t chunk =
+        std::max<std::size_t>(16, (std::size_t{1} << 16) / row_bytes / 16 * 16);
+    std::size_t n_chunks = 0;
+    for (const Projection<T, W>& p : ps) n_chunks += (p.out + chunk - 1) / chunk;
+    std::atomic<std::size_t> next{0};
+    threads->run([&](std::size_t) {
+      for (std::size_t c = next.fetch_add(1, std::memory_order_relaxed); c < n_chunks;
+           c = next.fetch_add(1, std::memory_order_relaxed)) {
+        std::size_t first = c;  // chunk index → (projection, rows)
+        for (const Projection<T, W>& p : ps) {
+          const std::size_t here = (p.out + chunk - 1) / chunk;
+          if (first < here) {
+            const std::size_t r0 = first * chunk;
+            qgemm_rows(ks, p.y, p.w, xc, xs, 1, in, p.out, r0, std::min(p.out, r0 + chunk));
+            break;
+          }
+          first -= here;
+        }
+      }
+    });
+    return;
+  }
+  parallel_run(threads, [&](std::size_t t, std::size_t nt) {
+    for (const Projection<T, W>& p : ps) {
+      const auto [r0, r1] = ThreadPool::share(p.out, nt, t, 16);
+      if (r1 > r0) qgemm_rows(ks, p.y, p.w, xc, xs, n, in, p.out, r0, r1);
+    }
+  });
+}
 
 /// Runs projections that share their input x [n][in] in one parallel region of pool, so one
 /// wake-up covers q, k and v (or gate and up). Small projections stay on the caller.
@@ -49,9 +98,9 @@ inline constexpr std::size_t kMinParallelWeights = std::size_t{1} << 15;
 /// bf16 weights and several tokens, x is rounded once into scratch.x_rounded for every thread (the
 /// rule in gemv.hpp).
 template <class T, class W>
-void linear_group(std::initializer_list<Projection<T, W>> ps, const T* x, std::size_t n,
-                  std::size_t in, ThreadPool* pool, const LinearScratch<T>& scratch,
-                  KernelSet ks = active_kernel_set()) {
+void linear_group_values(std::initializer_list<Projection<T, W>> ps, const T* x, std::size_t n,
+                         std::size_t in, ThreadPool* pool, const LinearScratch<T>& scratch,
+                         KernelSet ks) {
   std::size_t weights = 0;
   for (const Projection<T, W>& p : ps) weights += p.out * in;
   ThreadPool* const threads = weights >= kMinParallelWeights ? pool : nullptr;
@@ -103,6 +152,19 @@ void linear_group(std::initializer_list<Projection<T, W>> ps, const T* x, std::s
       }
     }
   });
+}
+
+/// The projections of one step sharing x [n][in]: linear_group_values for f32 / bf16 weights,
+/// linear_group_blocks for block formats.
+template <class T, class W>
+void linear_group(std::initializer_list<Projection<T, W>> ps, const T* x, std::size_t n,
+                  std::size_t in, ThreadPool* pool, const LinearScratch<T>& scratch,
+                  KernelSet ks = active_kernel_set()) {
+  if constexpr (kIsBlockFormat<W>) {
+    linear_group_blocks(ps, x, n, in, pool, scratch, ks);
+  } else {
+    linear_group_values(ps, x, n, in, pool, scratch, ks);
+  }
 }
 
 }  // namespace kvdecode::detail

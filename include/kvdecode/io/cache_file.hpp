@@ -103,7 +103,7 @@ ModelFingerprint model_fingerprint(const Weights<W>& weights) {
   f.config = weights.config;
   f.weight_bytes = static_cast<std::uint32_t>(sizeof(W));
   Checksum combined(sizeof(W));
-  weights.for_each_tensor([&](const char*, std::int64_t, const AlignedBuffer<W>& b) {
+  weights.for_each_tensor([&](const char*, std::int64_t, const auto& b) {  // gains and matrices
     const std::array<std::uint64_t, 2> entry = {b.size(), Checksum::hash(b.data(), b.bytes())};
     combined.update(entry.data(), sizeof(entry));
   });

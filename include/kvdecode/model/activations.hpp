@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
 #include <type_traits>
 #include <vector>
 
@@ -88,6 +89,11 @@ struct Activations {
       panels = AlignedBuffer<T>(n_threads * panel_stride);
       if constexpr (std::is_same_v<T, float>) x_rounded = AlignedBuffer<T>(n * max_in);
     }
+    if constexpr (std::is_same_v<T, float>) {  // the input of block-format weights, quantized
+      const auto max_in = static_cast<std::size_t>(std::max(cfg.dim, cfg.hidden_dim));
+      x_codes = AlignedBuffer<std::int8_t>(n * max_in);
+      x_scales = AlignedBuffer<float>(n * max_in / 32);
+    }
   }
 
   std::size_t max_chunk = 1;      // tokens one pass runs (≥ max_batch)
@@ -109,6 +115,8 @@ struct Activations {
   std::size_t panel_stride = 0;  // kPanelRows × max(dim, hidden_dim) when max_chunk > 1, else 0
   AlignedBuffer<T> panels;       // [n_threads][kPanelRows][max(dim, hidden_dim)] widened weights
   AlignedBuffer<T> x_rounded;    // [max_chunk] [max(dim, hidden_dim)] input rounded to bf16
+  AlignedBuffer<std::int8_t> x_codes;  // [max_chunk] [max(dim, hidden_dim)] input as int8 codes
+  AlignedBuffer<float> x_scales;       // [max_chunk] [max(dim, hidden_dim) / 32] their scales
   /// The threads every step runs on (not owned); nullptr runs everything on the caller.
   ThreadPool* pool = nullptr;
   /// Threads the per-thread scratch was sized for: a pool set later may have at most this many.

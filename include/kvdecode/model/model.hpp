@@ -25,6 +25,7 @@
 #include "kvdecode/model/rope.hpp"
 #include "kvdecode/model/weights.hpp"
 #include "kvdecode/store/kv_store.hpp"
+#include "kvdecode/weight_blocks.hpp"
 
 namespace kvdecode {
 
@@ -39,19 +40,22 @@ using StoreOf =
 /// → residual) → final RMSNorm → classifier → logits.
 ///
 /// T is the compute type (activations, KV cache, logits); W the weight-storage type: T itself,
-/// or bf16 with T = float (half the bytes per decode step; products summed in f32).
+/// bf16 with T = float (half the bytes per decode step; products summed in f32), or a block
+/// format with T = float: Q8_0 or Q4_0 (weight_blocks.hpp; 34 or 18 bytes per 32 weights), the
+/// input of each projection quantized to int8 blocks and multiplied in integers (qgemv.hpp).
 ///
 /// A Model is immutable after construction: several threads may run it at once, each with its
 /// own store and Activations. Threads for one step come from the pool in the Activations.
 template <class T, class W = T>
 class Model {
-  static_assert(std::is_same_v<T, W> || (std::is_same_v<T, float> && std::is_same_v<W, bf16>),
-                "Model<T, W>: weights are stored as T, or as bf16 with T = float");
+  static_assert(std::is_same_v<T, W> ||
+                    (std::is_same_v<T, float> && (std::is_same_v<W, bf16> || kIsBlockFormat<W>)),
+                "Model<T, W>: weights are stored as T, or as bf16, Q8_0 or Q4_0 with T = float");
 
  public:
   explicit Model(Weights<W> weights) : w_(std::move(weights)) {
     w_.config.validate();
-    if constexpr (!std::is_same_v<T, W>) {
+    if constexpr (!std::is_same_v<T, GainOf<W>>) {
       // The RMSNorm gains, widened once: they are a few KiB and read every step.
       const auto dim = static_cast<std::size_t>(w_.config.dim);
       gains_ = AlignedBuffer<T>((2 * w_.layers.size() + 1) * dim);
@@ -279,7 +283,7 @@ class Model {
         work.visible += m * (stores[i]->size() - m) + m * (m + 1) / 2;
       }
       (phase == Phase::kDecode ? act.counters->decode : act.counters->prefill)
-          .add(cfg, sizeof(T), sizeof(W), work);
+          .add(cfg, sizeof(T), sizeof(W), work, Weights<W>::kPerElement);
     }
     return batched ? act.batch_logits.span().first(B * vocab) : act.logits.span();
   }
@@ -309,7 +313,9 @@ class Model {
     for (const Segment& sg : segs) {
       const S& cache = *stores[sg.seq];
       for (std::size_t i = sg.row; i < sg.row + sg.rows; ++i) {
-        const W* row = w_.token_embedding.data() + static_cast<std::size_t>(tokens[i]) * dim;
+        // One row per token; a block format's row dequantized here (llama.cpp's get_rows).
+        const W* row = w_.token_embedding.data() +
+                       static_cast<std::size_t>(tokens[i]) * dim / Weights<W>::kPerElement;
         widen_into(act.x.data() + i * dim, row, dim);
         const std::size_t index = cache.size() + sg.pending_first + (i - sg.row);
         rope_angles(cache.rope_position(index), hs, cfg.rope_theta, act.rope_cos.data() + i * half,
@@ -403,28 +409,35 @@ class Model {
   static void linear_group(std::initializer_list<Projection> ps, const T* x, std::size_t n,
                            std::size_t in, Activations<T>& act) {
     detail::linear_group<T, W>(ps, x, n, in, act.pool,
-                               {act.panels.data(), act.panel_stride, act.x_rounded.data()});
+                               {act.panels.data(), act.panel_stride, act.x_rounded.data(),
+                                act.x_codes.data(), act.x_scales.data()});
   }
 
-  static void widen_into(T* out, const W* in, std::size_t count) {
-    for (std::size_t i = 0; i < count; ++i) out[i] = widen<T>(in[i]);
+  /// out [count] = in widened to T; for a block format in holds count / 32 blocks.
+  template <class From>
+  static void widen_into(T* out, const From* in, std::size_t count) {
+    if constexpr (kIsBlockFormat<From>) {
+      dequantize_row(in, out, count);
+    } else {
+      for (std::size_t i = 0; i < count; ++i) out[i] = widen<T>(in[i]);
+    }
   }
   const T* gain_att(std::size_t l) const {
-    if constexpr (std::is_same_v<T, W>) {
+    if constexpr (std::is_same_v<T, GainOf<W>>) {
       return w_.layers[l].rms_att.data();
     } else {
       return gains_.data() + 2 * l * static_cast<std::size_t>(w_.config.dim);
     }
   }
   const T* gain_ffn(std::size_t l) const {
-    if constexpr (std::is_same_v<T, W>) {
+    if constexpr (std::is_same_v<T, GainOf<W>>) {
       return w_.layers[l].rms_ffn.data();
     } else {
       return gains_.data() + (2 * l + 1) * static_cast<std::size_t>(w_.config.dim);
     }
   }
   const T* gain_final() const {
-    if constexpr (std::is_same_v<T, W>) {
+    if constexpr (std::is_same_v<T, GainOf<W>>) {
       return w_.rms_final.data();
     } else {
       return gains_.data() + 2 * w_.layers.size() * static_cast<std::size_t>(w_.config.dim);
@@ -437,7 +450,7 @@ class Model {
 
   Weights<W> w_;
   AlignedBuffer<T>
-      gains_;  // [2 n_layers + 1][dim] rms_att, rms_ffn per layer, rms_final; W ≠ T only
+      gains_;  // [2 n_layers + 1][dim] rms_att, rms_ffn per layer, rms_final; bf16 W only
 };
 
 }  // namespace kvdecode

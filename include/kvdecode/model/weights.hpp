@@ -1,68 +1,102 @@
 // Weights<T>: the parameters of a Llama-architecture decoder, owned in 64-byte aligned buffers,
-// one buffer per tensor and layer, with llama2.c's names and [out][in] row-major matrices.
+// one buffer per tensor and layer, with llama2.c's names and [out][in] row-major matrices; with
+// a block format (Q8_0, Q4_0) every matrix row is in/32 blocks and the RMSNorm gains stay f32.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
+#include <cstring>
+#include <span>
+#include <string>
+#include <type_traits>
 #include <vector>
 
 #include "kvdecode/aligned_buffer.hpp"
 #include "kvdecode/bf16.hpp"
 #include "kvdecode/error.hpp"
 #include "kvdecode/model/model_config.hpp"
+#include "kvdecode/weight_blocks.hpp"
 
 namespace kvdecode {
 
+/// The element type of the RMSNorm gains: T itself, f32 for a block format (a few KiB per layer,
+/// and ggml keeps its norm weights f32 too).
+template <class T>
+using GainOf = std::conditional_t<kIsBlockFormat<T>, float, T>;
+
 /// One decoder layer's tensors. Matrices are row-major [out][in] (nn.Linear layout), so a
-/// projection is y = W x. T is the storage type: float, double, or bf16 (see bf16.hpp and
-/// Model<float, bf16>; convert_weights<bf16>() in io/checkpoint.hpp rounds f32 weights to it).
+/// projection is y = W x. T is the storage type: float, double, bf16 (see bf16.hpp and
+/// Model<float, bf16>; convert_weights<bf16>() in io/checkpoint.hpp rounds f32 weights to it),
+/// or a block format, Q8_0 or Q4_0 (weight_blocks.hpp; quantize_weights<Q8_0>() below), where a
+/// matrix [out][in] holds out × in/32 blocks.
 template <class T>
 struct LayerWeights {
-  AlignedBuffer<T> rms_att;  // [dim]                pre-attention RMSNorm gain
-  AlignedBuffer<T> wq;       // [dim][dim]           out = n_heads * head_size
-  AlignedBuffer<T> wk;       // [kv_dim][dim]
-  AlignedBuffer<T> wv;       // [kv_dim][dim]
-  AlignedBuffer<T> wo;       // [dim][dim]           in = n_heads * head_size
-  AlignedBuffer<T> rms_ffn;  // [dim]                pre-FFN RMSNorm gain
-  AlignedBuffer<T> w1;       // [hidden_dim][dim]    gate
-  AlignedBuffer<T> w2;       // [dim][hidden_dim]    down
-  AlignedBuffer<T> w3;       // [hidden_dim][dim]    up
+  AlignedBuffer<GainOf<T>> rms_att;  // [dim]                pre-attention RMSNorm gain
+  AlignedBuffer<T> wq;               // [dim][dim]           out = n_heads * head_size
+  AlignedBuffer<T> wk;               // [kv_dim][dim]
+  AlignedBuffer<T> wv;               // [kv_dim][dim]
+  AlignedBuffer<T> wo;               // [dim][dim]           in = n_heads * head_size
+  AlignedBuffer<GainOf<T>> rms_ffn;  // [dim]                pre-FFN RMSNorm gain
+  AlignedBuffer<T> w1;               // [hidden_dim][dim]    gate
+  AlignedBuffer<T> w2;               // [dim][hidden_dim]    down
+  AlignedBuffer<T> w3;               // [hidden_dim][dim]    up
 };
 
 /// All parameters of the model. Construction allocates zeroed tensors of the config's shapes;
-/// fill them from a checkpoint (io/checkpoint.hpp) or with random_weights().
+/// fill them from a checkpoint (io/checkpoint.hpp) or with random_weights(), or for a block
+/// format with quantize_weights() or, blocks as stored elsewhere (GGUF), load_blocks().
 template <class T>
 struct Weights {
+  /// Weights per element of a matrix buffer: 32 for a block format, else 1.
+  static constexpr std::size_t kPerElement = kIsBlockFormat<T> ? kWeightBlock : 1;
+
   ModelConfig config;
-  AlignedBuffer<T> token_embedding;     // [vocab_size][dim]
+  AlignedBuffer<T> token_embedding;     // [vocab_size][dim] (÷ kPerElement: blocks)
   std::vector<LayerWeights<T>> layers;  // [n_layers]
-  AlignedBuffer<T> rms_final;           // [dim]
+  AlignedBuffer<GainOf<T>> rms_final;   // [dim]
   AlignedBuffer<T> wcls;                // [vocab_size][dim], empty when the classifier is shared
 
   Weights() = default;
+  /// Throws Error, allocating nothing, for an invalid config or, with a block format, a
+  /// matrix row width (dim, hidden_dim) that is not a multiple of 32: rows are never padded.
   explicit Weights(const ModelConfig& cfg) : config(cfg) {
     cfg.validate();
     const auto dim = static_cast<std::size_t>(cfg.dim);
     const auto hidden = static_cast<std::size_t>(cfg.hidden_dim);
     const auto kv_dim = static_cast<std::size_t>(cfg.kv_dim());
     const auto vocab = static_cast<std::size_t>(cfg.vocab_size);
-    token_embedding = AlignedBuffer<T>(vocab * dim);
+    if constexpr (kIsBlockFormat<T>) {
+      KVDECODE_CHECK(dim % kWeightBlock == 0, "Weights<", block_format_name<T>(),
+                     ">: the rows of token_embedding_table, wq, wk, wv, wo, w1, w3 and wcls are "
+                     "dim = ",
+                     dim, " weights wide, expected a multiple of the ", kWeightBlock,
+                     "-weight block");
+      KVDECODE_CHECK(hidden % kWeightBlock == 0, "Weights<", block_format_name<T>(),
+                     ">: the rows of w2 are hidden_dim = ", hidden,
+                     " weights wide, expected a multiple of the ", kWeightBlock, "-weight block");
+    }
+    const auto matrix = [](std::size_t out, std::size_t in) {
+      return AlignedBuffer<T>(out * in / kPerElement);
+    };
+    token_embedding = matrix(vocab, dim);
     layers.reserve(static_cast<std::size_t>(cfg.n_layers));
     for (std::int64_t l = 0; l < cfg.n_layers; ++l) {
       LayerWeights<T> w;
-      w.rms_att = AlignedBuffer<T>(dim);
-      w.wq = AlignedBuffer<T>(dim * dim);
-      w.wk = AlignedBuffer<T>(kv_dim * dim);
-      w.wv = AlignedBuffer<T>(kv_dim * dim);
-      w.wo = AlignedBuffer<T>(dim * dim);
-      w.rms_ffn = AlignedBuffer<T>(dim);
-      w.w1 = AlignedBuffer<T>(hidden * dim);
-      w.w2 = AlignedBuffer<T>(dim * hidden);
-      w.w3 = AlignedBuffer<T>(hidden * dim);
+      w.rms_att = AlignedBuffer<GainOf<T>>(dim);
+      w.wq = matrix(dim, dim);
+      w.wk = matrix(kv_dim, dim);
+      w.wv = matrix(kv_dim, dim);
+      w.wo = matrix(dim, dim);
+      w.rms_ffn = AlignedBuffer<GainOf<T>>(dim);
+      w.w1 = matrix(hidden, dim);
+      w.w2 = matrix(dim, hidden);
+      w.w3 = matrix(hidden, dim);
       layers.push_back(std::move(w));
     }
-    rms_final = AlignedBuffer<T>(dim);
-    if (!cfg.shared_classifier) wcls = AlignedBuffer<T>(vocab * dim);
+    rms_final = AlignedBuffer<GainOf<T>>(dim);
+    if (!cfg.shared_classifier) wcls = matrix(vocab, dim);
   }
 
   /// The classifier matrix [vocab_size][dim]: wcls, or the embedding table when shared.
@@ -81,7 +115,9 @@ struct Weights {
   }
 
   /// Calls fn(name, layer, buffer) for every tensor in llama2.c checkpoint order (layer -1 for
-  /// the tensors outside the layers), so loaders, savers and hashes walk one list.
+  /// the tensors outside the layers), so loaders, savers and hashes walk one list. With a block
+  /// format the gains are AlignedBuffer<float> and the matrices AlignedBuffer<T>: fn must take
+  /// both (a generic lambda).
   template <class Fn>
   void for_each_tensor(Fn&& fn) {
     for_each_tensor_impl(*this, fn);
@@ -167,6 +203,96 @@ Weights<T> random_weights(const ModelConfig& cfg, std::uint64_t seed) {
   fill(w.rms_final, 0.25, 1.0);
   if (!cfg.shared_classifier) fill(w.wcls, a_emb, 0.0);
   return w;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Block formats: quantizing on load, blocks as stored, and back to f32.
+// ---------------------------------------------------------------------------------------------
+
+/// The weights of `from` (f32 or bf16) in block format B (Q8_0, Q4_0), every matrix row
+/// quantized as ggml's reference quantizer does (weight_blocks.hpp): the projections, the
+/// classifier and the embedding table, as llama.cpp's Q8_0 / Q4_0 files hold them (the
+/// embedding rows are dequantized per token); the gains widened to f32. Throws Error as
+/// Weights<B>(config) does for widths that are not multiples of 32.
+template <class B, class From>
+Weights<B> quantize_weights(const Weights<From>& from) {
+  static_assert(kIsBlockFormat<B> && !kIsBlockFormat<From>);
+  Weights<B> to(from.config);
+  const auto dim = static_cast<std::size_t>(from.config.dim);
+  const auto hidden = static_cast<std::size_t>(from.config.hidden_dim);
+  std::vector<float> row(std::max(dim, hidden));  // [in] one row widened to f32
+  const auto matrix = [&](AlignedBuffer<B>& dst, const AlignedBuffer<From>& src, std::size_t in) {
+    for (std::size_t r = 0; r < src.size() / in; ++r) {
+      for (std::size_t c = 0; c < in; ++c) row[c] = static_cast<float>(src[r * in + c]);
+      quantize_row(row.data(), dst.data() + r * (in / kWeightBlock), in);
+    }
+  };
+  const auto gain = [](AlignedBuffer<float>& dst, const AlignedBuffer<From>& src) {
+    for (std::size_t i = 0; i < src.size(); ++i) dst[i] = static_cast<float>(src[i]);
+  };
+  matrix(to.token_embedding, from.token_embedding, dim);
+  for (std::size_t l = 0; l < from.layers.size(); ++l) {
+    const LayerWeights<From>& f = from.layers[l];
+    LayerWeights<B>& t = to.layers[l];
+    gain(t.rms_att, f.rms_att);
+    matrix(t.wq, f.wq, dim);
+    matrix(t.wk, f.wk, dim);
+    matrix(t.wv, f.wv, dim);
+    matrix(t.wo, f.wo, dim);
+    gain(t.rms_ffn, f.rms_ffn);
+    matrix(t.w1, f.w1, dim);
+    matrix(t.w2, f.w2, hidden);
+    matrix(t.w3, f.w3, dim);
+  }
+  gain(to.rms_final, from.rms_final);
+  if (!from.config.shared_classifier) matrix(to.wcls, from.wcls, dim);
+  return to;
+}
+
+/// Fills one matrix of block-format weights with blocks exactly as another program stored them
+/// (ggml's layout: row after row, each in/32 blocks of sizeof(B) bytes; a GGUF tensor's data),
+/// without re-quantizing. `name` and `layer` label the tensor in the Error thrown, changing
+/// nothing, when the byte count is not the matrix's.
+template <class B>
+void load_blocks(AlignedBuffer<B>& matrix, std::span<const std::byte> bytes, const char* name,
+                 std::int64_t layer = -1) {
+  static_assert(kIsBlockFormat<B>);
+  KVDECODE_CHECK(bytes.size() == matrix.bytes(), "load_blocks: tensor ", name,
+                 layer >= 0 ? " of layer " : "", layer >= 0 ? std::to_string(layer) : "", " has ",
+                 bytes.size(), " bytes of ", block_format_name<B>(), " blocks, expected ",
+                 matrix.size(), " blocks of ", sizeof(B), " = ", matrix.bytes(), " bytes");
+  if (!bytes.empty()) std::memcpy(matrix.data(), bytes.data(), bytes.size());
+}
+
+/// Every weight of block-format `from` as f32 (each block's formula): the f32 model these
+/// weights stand for, which the tests run as the reference for the integer kernels.
+template <class B>
+Weights<float> dequantize_weights(const Weights<B>& from) {
+  static_assert(kIsBlockFormat<B>);
+  Weights<float> to(from.config);
+  const auto matrix = [](AlignedBuffer<float>& dst, const AlignedBuffer<B>& src) {
+    dequantize_row(src.data(), dst.data(), dst.size());
+  };
+  const auto gain = [](AlignedBuffer<float>& dst, const AlignedBuffer<float>& src) {
+    dst.copy_from(src);
+  };
+  matrix(to.token_embedding, from.token_embedding);
+  for (std::size_t l = 0; l < from.layers.size(); ++l) {
+    const LayerWeights<B>& f = from.layers[l];
+    LayerWeights<float>& t = to.layers[l];
+    gain(t.rms_att, f.rms_att);
+    matrix(t.wq, f.wq);
+    matrix(t.wk, f.wk);
+    matrix(t.wv, f.wv);
+    matrix(t.wo, f.wo);
+    gain(t.rms_ffn, f.rms_ffn);
+    matrix(t.w1, f.w1);
+    matrix(t.w2, f.w2);
+    matrix(t.w3, f.w3);
+  }
+  gain(to.rms_final, from.rms_final);
+  if (!from.config.shared_classifier) matrix(to.wcls, from.wcls);
+  return to;
 }
 
 }  // namespace kvdecode
