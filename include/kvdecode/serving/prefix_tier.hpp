@@ -76,7 +76,7 @@ struct PrefixTierStats {
   std::uint64_t disk_misses = 0;     ///< blocks asked for that no usable file held
   std::uint64_t files_written = 0;   ///< block files written (spills of blocks not yet on disk)
   std::uint64_t files_evicted = 0;   ///< files removed to stay within max_bytes
-  std::uint64_t write_failures = 0;  ///< spills that could not be written (full disk, ...)
+  std::uint64_t write_failures = 0;  ///< spills not written: an I/O error, or max_bytes < a file
   std::array<std::uint64_t, kTierSkipReasons> skipped{};  ///< files not used, by TierSkip
   std::uint64_t files_on_disk = 0;                        ///< files in the index now
   std::uint64_t bytes_on_disk = 0;                        ///< their bytes now, at most max_bytes
