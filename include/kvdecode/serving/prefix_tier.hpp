@@ -248,10 +248,12 @@ class PrefixTier final : public BlockPool<T>::Tier {
                    ec ? ec.message() : std::string("it is not a directory"));
     const std::filesystem::path probe = directory_ / (".probe" + temp_suffix());
     errno = 0;
-    std::FILE* f = std::fopen(probe.string().c_str(), "wb");
+    bool ok = false;
+    if (std::FILE* f = std::fopen(probe.string().c_str(), "wb"); f != nullptr) {
+      const bool put = std::fputc('k', f) != EOF;
+      ok = std::fclose(f) == 0 && put;
+    }
     const int err = errno;
-    const bool ok = f != nullptr && std::fputc('k', f) != EOF && std::fclose(f) == 0;
-    if (f != nullptr && !ok) std::fclose(f);
     std::filesystem::remove(probe, ec);
     KVDECODE_CHECK(ok, "PrefixTier: directory '", directory_.string(),
                    "' cannot be written: ", std::generic_category().message(err));
