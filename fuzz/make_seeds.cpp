@@ -14,6 +14,7 @@
 #include "kvdecode/io/checkpoint.hpp"
 #include "kvdecode/kvdecode.hpp"
 #include "kvdecode/text/tokenizer.hpp"
+#include "prefix_tier_seed.hpp"
 #include "seed_model.hpp"
 
 namespace fs = std::filesystem;
@@ -56,7 +57,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   const fs::path root = argv[1];
-  for (const char* d : {"checkpoint", "tokenizer", "encode", "cache_file"})
+  for (const char* d : {"checkpoint", "tokenizer", "encode", "cache_file", "prefix_tier"})
     fs::create_directories(root / d);
 
   // Checkpoints: valid shared/unshared, GQA/MQA; a header alone; the v1 magic; a truncation.
@@ -130,6 +131,31 @@ int main(int argc, char** argv) {
     }
   }
   fs::remove(cache);
+
+  // Prefix tier block files (fuzz_prefix_tier): the valid file with both flag values, a cut
+  // header and payload, another block's tokens, another format version.
+  namespace pt = kvdecode::detail::prefix_tier;
+  const fs::path tier_dir = root / "prefix_tier" / "tmp";
+  const std::string block_name =
+      kvdecode::fuzz::write_valid_block_file(model, kvdecode::model_fingerprint(model), tier_dir);
+  const auto block = read_file(tier_dir / block_name);
+  fs::remove_all(tier_dir);
+  const auto with_flag = [&](unsigned char flag, std::vector<unsigned char> body) {
+    body.insert(body.begin(), flag);
+    return body;
+  };
+  write_file(root / "prefix_tier" / "valid_flag0.bin", with_flag(0, block));
+  write_file(root / "prefix_tier" / "valid_flag1.bin", with_flag(1, block));
+  write_file(root / "prefix_tier" / "cut_header.bin",
+             with_flag(0, std::vector<unsigned char>(block.begin(), block.begin() + 100)));
+  write_file(root / "prefix_tier" / "cut_payload.bin",
+             with_flag(1, std::vector<unsigned char>(block.begin(), block.end() - 7)));
+  auto other_tokens = block;
+  other_tokens[pt::kHeaderBytes] ^= 1;
+  write_file(root / "prefix_tier" / "other_tokens_flag1.bin", with_flag(1, other_tokens));
+  auto version = block;
+  pt::put_u32(version.data() + pt::kOffVersion, 2);
+  write_file(root / "prefix_tier" / "version2_flag1.bin", with_flag(1, version));
   std::printf("seeds written under %s\n", root.c_str());
   return 0;
 }

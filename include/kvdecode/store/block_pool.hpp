@@ -32,8 +32,8 @@ struct BlockPoolOptions {
 /// tokens, so the last prompt token is always computed (its logits start decoding).
 struct PrefixCacheStats {
   std::uint64_t requests = 0;      ///< match_prefix calls
-  std::uint64_t hits = 0;          ///< full prompt blocks found in the cache
-  std::uint64_t misses = 0;        ///< full prompt blocks not found (to be computed)
+  std::uint64_t hits = 0;          ///< full prompt blocks found in memory
+  std::uint64_t misses = 0;        ///< full prompt blocks not in memory (computed, or from a tier)
   std::uint64_t evictions = 0;     ///< cached blocks no sequence held, reused for new data
   std::uint64_t tokens_saved = 0;  ///< prompt tokens requests did not have to prefill
 };
@@ -60,15 +60,44 @@ struct PrefixCacheStats {
 /// parent entry (the registration that ends the previous block), and entry ids are never reused,
 /// so by induction a match compares every token of the prefix.
 ///
+/// Tier. A second level behind the prefix cache (a PrefixTier, serving/prefix_tier.hpp, keeps
+/// blocks in files) can be attached with set_tier(): every cached block the pool evicts is
+/// offered to it first, and a prefix lookup that misses in memory asks it for the block, loading
+/// it into a free block. Without a tier the pool behaves exactly as before.
+///
 /// Not thread-safe: one thread drives a pool and all its sequences (a batched decode begins the
 /// appends of its sequences one after another on that thread). Everything is allocated at
-/// construction; no operation allocates afterwards. The pool must outlive its sequences and
-/// cannot be moved, since they point to it.
+/// construction; no operation allocates afterwards (an attached tier may, when it is called). The
+/// pool must outlive its sequences and cannot be moved, since they point to it.
 template <class T>
 class BlockPool {
  public:
   using Scalar = T;
   static constexpr std::size_t kNone = std::numeric_limits<std::size_t>::max();
+
+  /// What a tier is told about a full block: the hash of the prefix it ends, the hash of the
+  /// prefix before it (kRootPrefix.hash for a first block) and its block_size token ids.
+  struct TierKey {
+    std::uint64_t hash = 0;
+    std::uint64_t parent_hash = 0;
+    std::span<const std::int32_t> tokens;
+  };
+
+  /// A level behind the prefix cache (set_tier). Called on the pool's thread, from acquire()
+  /// and match_prefix(), so it must not throw: a tier that cannot store or read a block says so
+  /// in its own counters.
+  class Tier {
+   public:
+    /// Block b, cached with `key`, is about to be evicted (or spill_cached() offers it).
+    virtual void spill(const BlockPool& pool, std::size_t b, const TierKey& key) noexcept = 0;
+    /// Whether the tier may hold the block `key` ends (a cheap look-up before a block is taken).
+    virtual bool contains(const TierKey& key) noexcept = 0;
+    /// Fills block b with the keys and values of the block `key` ends; false when the tier does
+    /// not hold it or its copy does not verify (the pool then frees b).
+    virtual bool load(BlockPool& pool, std::size_t b, const TierKey& key) noexcept = 0;
+
+    virtual ~Tier() = default;
+  };
 
   /// n_blocks blocks of block_size positions for the model cfg.
   BlockPool(const ModelConfig& cfg, std::size_t n_blocks, std::size_t block_size = 16,
@@ -103,6 +132,7 @@ class BlockPool {
     hash_.assign(n_blocks_, 0);
     entry_.assign(n_blocks_, 0);
     parent_entry_.assign(n_blocks_, 0);
+    parent_hash_.assign(n_blocks_, 0);
     chain_next_.assign(n_blocks_, kNone);
     lru_prev_.assign(n_blocks_, kNone);
     lru_next_.assign(n_blocks_, kNone);
@@ -146,6 +176,21 @@ class BlockPool {
   /// Whether block b is in the prefix cache.
   bool is_cached(std::size_t b) const { return cached_[b]; }
   const PrefixCacheStats& stats() const { return stats_; }
+  /// Attaches a tier (nullptr detaches). The tier must stay alive while it is attached.
+  void set_tier(Tier* tier) noexcept { tier_ = tier; }
+  Tier* tier() const noexcept { return tier_; }
+  /// Offers every cached block, held or not, to the tier (before a shutdown, say); returns how
+  /// many. The blocks stay cached.
+  std::size_t spill_cached() noexcept {
+    std::size_t n = 0;
+    if (tier_ == nullptr) return 0;
+    for (std::size_t b = 0; b < n_blocks_; ++b)
+      if (cached_[b]) {
+        tier_->spill(*this, b, tier_key(b));
+        ++n;
+      }
+    return n;
+  }
   /// A fresh number for a sequence's error messages.
   std::uint64_t new_sequence_id() { return ++sequences_; }
 
@@ -221,6 +266,7 @@ class BlockPool {
       free_.pop_back();
     } else {
       b = lru_head_;
+      if (tier_ != nullptr) tier_->spill(*this, b, tier_key(b));
       lru_unlink(b);
       unchain(b);
       ++stats_.evictions;
@@ -279,6 +325,7 @@ class BlockPool {
     hash_[b] = h;
     entry_[b] = next_entry_++;
     parent_entry_[b] = parent.entry;
+    parent_hash_[b] = parent.hash;
     std::copy(tokens.begin(), tokens.end(), block_tokens_.data() + b * block_size_);
     std::size_t& head = buckets_[h & (buckets_.size() - 1)];
     chain_next_[b] = head;
@@ -301,25 +348,36 @@ class BlockPool {
 
   /// Finds the longest run of cached full blocks that begins `prompt`, writes their ids to
   /// blocks_out (room for prompt.size() / block_size ids), retains them and returns how many.
-  /// Counts the request in stats(); see PrefixCacheStats for what a hit saves.
+  /// A block missing in memory is asked of the tier, if one is attached, and loaded into a free
+  /// (or evicted) block, which joins the cache. Counts the request in stats(): hits and misses
+  /// are in memory; a tier counts its own.
   std::size_t match_prefix(std::span<const std::int32_t> prompt,
                            std::span<std::size_t> blocks_out) noexcept {
     const std::size_t full = prompt.size() / block_size_;
     std::size_t matched = 0;
     if (prefix_cache_) {
       PrefixKey parent = kRootPrefix;
+      std::size_t in_memory = 0;
       for (; matched < full && matched < blocks_out.size(); ++matched) {
         const auto tokens = prompt.subspan(matched * block_size_, block_size_);
-        const std::size_t b = find(chain_hash(parent.hash, tokens), parent.entry, tokens);
-        if (b == kNone) break;
+        const std::uint64_t h = chain_hash(parent.hash, tokens);
+        std::size_t b = find(h, parent.entry, tokens);
+        if (b != kNone) {
+          retain(b);  // now, so that a block taken for a tier load cannot evict it
+          ++in_memory;
+        } else {
+          b = load_from_tier(parent, {h, parent.hash, tokens});
+          if (b == kNone) break;
+        }
         blocks_out[matched] = b;
         parent = key_of(b);
       }
-      for (std::size_t i = 0; i < matched; ++i) retain(blocks_out[i]);
+      stats_.hits += in_memory;
+      stats_.misses += full - in_memory;
+    } else {
+      stats_.misses += full;
     }
     ++stats_.requests;
-    stats_.hits += matched;
-    stats_.misses += full - matched;
     if (matched > 0) stats_.tokens_saved += std::min(matched * block_size_, prompt.size() - 1);
     return matched;
   }
@@ -327,6 +385,23 @@ class BlockPool {
  private:
   std::size_t offset(std::size_t b, std::size_t layer, std::size_t kv_head) const {
     return ((layer * n_kv_heads_ + kv_head) * n_blocks_ + b) * block_size_ * head_size_;
+  }
+
+  TierKey tier_key(std::size_t b) const {
+    return {hash_[b], parent_hash_[b], {block_tokens_.data() + b * block_size_, block_size_}};
+  }
+
+  /// A block the tier holds for `key`, after `parent`: taken, loaded, cached and held (ref 1);
+  /// or kNone, with nothing taken.
+  std::size_t load_from_tier(PrefixKey parent, const TierKey& key) noexcept {
+    if (tier_ == nullptr || n_available() == 0 || !tier_->contains(key)) return kNone;
+    const std::size_t b = acquire();
+    if (!tier_->load(*this, b, key)) {
+      release(b);  // not cached: back to the free list
+      return kNone;
+    }
+    register_full(b, parent, key.tokens);
+    return b;
   }
 
   /// The hash of a prefix extended by one block of tokens: SplitMix64's finaliser over the
@@ -409,6 +484,7 @@ class BlockPool {
   std::vector<std::uint64_t> hash_;   // [n_blocks] prefix hash, when cached
   std::vector<std::uint64_t> entry_;  // [n_blocks] registration id, when cached
   std::vector<std::uint64_t> parent_entry_;  // [n_blocks] entry of the previous block's prefix
+  std::vector<std::uint64_t> parent_hash_;   // [n_blocks] hash of the previous block's prefix
   std::vector<std::int32_t> block_tokens_;   // [n_blocks][block_size] token ids, when cached
   std::vector<std::size_t> buckets_;     // [2^k ≥ 2 n_blocks] first cached block of each chain
   std::vector<std::size_t> chain_next_;  // [n_blocks] next cached block in the same chain
@@ -419,6 +495,7 @@ class BlockPool {
   std::size_t lru_tail_ = kNone;
   std::size_t lru_size_ = 0;
   PrefixCacheStats stats_;
+  Tier* tier_ = nullptr;  // not owned; see set_tier
 };
 
 }  // namespace kvdecode
