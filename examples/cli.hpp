@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <exception>
 #include <kvdecode/error.hpp>
+#include <kvdecode/store/low_bit_store.hpp>
 #include <limits>
 #include <optional>
 #include <string>
@@ -98,6 +99,44 @@ CLI::Option* choice(CLI::App& app, const std::string& names, E& target,
       ->type_name(type)
       ->default_str(default_name);
 }
+
+/// The 2- and 4-bit stores' settings (--kv q4 or q2), declared once for every program that
+/// offers those stores; the defaults are the store's own.
+struct LowBitFlags {
+  std::size_t group = kvdecode::Q4Store<float>::kDefaultGroup;
+  std::size_t residual = kvdecode::Q4Store<float>::kDefaultResidual;
+  bool rotate = false;
+
+  void declare(CLI::App& app, const std::string& group_name) {
+    app.add_option("--kv-group", group,
+                   "with --kv q4 or q2: positions per key group (per-channel key ranges)")
+        ->check(number<std::size_t>(2, 4096))
+        ->capture_default_str()
+        ->group(group_name);
+    app.add_option("--kv-residual", residual,
+                   "with --kv q4 or q2: newest positions kept exact in f32, a multiple of "
+                   "--kv-group (0 for none)")
+        ->check(number<std::size_t>(0, std::size_t{1} << 20))
+        ->capture_default_str()
+        ->group(group_name);
+    app.add_flag("--kv-rotate", rotate,
+                 "with --kv q4 or q2: quantize rows Hadamard-rotated (spreads outlier channels)")
+        ->group(group_name);
+  }
+  /// A usage message when the residual is not a multiple of the group, else empty.
+  std::string check() const {
+    if (residual % group == 0) return {};
+    return "--kv-residual " + std::to_string(residual) + " is not a multiple of --kv-group " +
+           std::to_string(group);
+  }
+  /// Sets a store's options that hold a group, a residual and a rotation.
+  template <class O>
+  void apply(O& o) const {
+    o.group = group;
+    o.residual = residual;
+    o.rotate = rotate;
+  }
+};
 
 /// An App with the examples' conventions: the last of a repeated flag wins (as in llama.cpp),
 /// --flag=value works, --help and --version are generated.

@@ -47,7 +47,7 @@ constexpr const char* kKjvPrompt = "And it came to pass";
 constexpr const char* kStoriesPrompt = "Once upon a time";
 
 enum class WeightType { kF32, kBf16, kQ8_0, kQ4_0 };
-enum class KvType { kF32, kInt8, kQ4, kPaged };
+enum class KvType { kF32, kInt8, kQ4, kQ2, kPaged };
 
 struct Options {
   std::string model;  // "" = the bundled KJV model, kDemo = the demo model, else a file
@@ -70,7 +70,8 @@ struct Options {
   WeightType weights = WeightType::kF32;
   KvType kv = KvType::kF32;
   std::size_t block_size = 16;
-  std::size_t window = 0;  // 0 = no window
+  cli::LowBitFlags low_bit;  // --kv q4 / q2 settings
+  std::size_t window = 0;    // 0 = no window
   std::optional<std::size_t> sinks;
   std::string save_cache;
   std::string load_cache;
@@ -186,11 +187,13 @@ void declare(CLI::App& app, Options& o) {
               {{"f32", KvType::kF32},
                {"int8", KvType::kInt8},
                {"q4", KvType::kQ4},
+               {"q2", KvType::kQ2},
                {"paged", KvType::kPaged}},
-              "f32 (ContiguousStore), int8 (one f32 scale per row), q4 (4-bit, per-channel key "
-              "groups) or paged (PagedStore on a BlockPool); the report gives each one's bytes "
-              "per position")
+              "f32 (ContiguousStore), int8 (one f32 scale per row), q4 or q2 (4- or 2-bit, "
+              "per-channel key groups, the newest positions exact) or paged (PagedStore on a "
+              "BlockPool); the report gives each one's bytes per position")
       ->group(kv);
+  o.low_bit.declare(app, kv);
   app.add_option("-c,--ctx-size", o.ctx,
                  "positions the cache holds, at most the model's seq_len (default: seq_len)")
       ->check(number<std::size_t>(1, kMaxCount))
@@ -246,6 +249,8 @@ decltype(auto) with_store_type(const Options& o, F&& f) {
       return f(std::type_identity<Int8Store<float>>{});
     case KvType::kQ4:
       return f(std::type_identity<Q4Store<float>>{});
+    case KvType::kQ2:
+      return f(std::type_identity<Q2Store<float>>{});
     case KvType::kPaged:
       return f(std::type_identity<PagedStore<float>>{});
     case KvType::kF32:
@@ -280,7 +285,9 @@ void check(const Options& o) {
     throw UsageError{"--interactive keeps one cache across turns; it cannot use --no-cache"};
   if (o.sinks && o.window == 0) throw UsageError{"--sinks needs --window"};
   if (o.window > 0 && o.kv != KvType::kF32)
-    throw UsageError{"--window keeps f32 rows and cannot be combined with --kv int8, q4 or paged"};
+    throw UsageError{
+        "--window keeps f32 rows and cannot be combined with --kv int8, q4, q2 or paged"};
+  if (const std::string m = o.low_bit.check(); !m.empty()) throw UsageError{m};
   if (o.window > 0 && o.no_cache)
     throw UsageError{"--no-cache recomputes everything; it cannot be combined with --window"};
   if (o.window > 0 && o.ctx > 0)
@@ -417,6 +424,7 @@ std::string prompt_text(const Options& o, const Source& src) {
 using kvdecode::ContiguousStore;
 using kvdecode::Int8Store;
 using kvdecode::PagedStore;
+using kvdecode::Q2Store;
 using kvdecode::Q4Store;
 using kvdecode::WindowStore;
 
@@ -430,6 +438,8 @@ std::string describe(const S& store) {
   if constexpr (requires { o.window; })
     s += " " + std::to_string(o.window) + " + " + std::to_string(o.sinks) + " sinks";
   if constexpr (requires { o.group; }) s += ", key groups of " + std::to_string(o.group);
+  if constexpr (requires { o.residual; })
+    s += ", " + std::to_string(o.residual) + " newest exact" + (o.rotate ? ", rotated" : "");
   if constexpr (requires { o.block_size; }) s += ", blocks of " + std::to_string(o.block_size);
   return s;
 }
@@ -744,6 +754,7 @@ int with_store(const Run& run, const kvdecode::Model<float, W>& model, kvdecode:
       so.capacity = kUnboundedPositions;
     }
     if constexpr (requires { so.block_size; }) so.block_size = o.block_size;
+    if constexpr (requires { so.residual; }) o.low_bit.apply(so);
     S store(cfg, so);
     return go(store);
   });

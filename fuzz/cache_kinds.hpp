@@ -34,7 +34,7 @@ void with_cache_store(int k, const ModelConfig& cfg, F&& f) {
       return;
     }
     case 2: {
-      Q4Store<float> s(cfg, 0, 4);
+      Q4Store<float> s(cfg, 0, 4, 4);
       f(s);
       return;
     }

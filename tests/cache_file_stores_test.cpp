@@ -122,9 +122,11 @@ struct Kind<Q4Store<float>> {
     Q4Store<float> s;
     Q4Store<float>& store() { return s; }
   };
-  // Groups of 8: 25 positions are 3 quantized groups and 1 staged row.
+  // Groups of 8 behind a residual of 8, rotated: 25 positions are 2 quantized groups and 9
+  // exact rows.
   static std::unique_ptr<Holder> make(const ModelConfig& cfg, bool other = false) {
-    return std::make_unique<Holder>(Holder{Q4Store<float>(cfg, 0, other ? 4 : 8)});
+    return std::make_unique<Holder>(
+        Holder{Q4Store<float>(cfg, 0, other ? 4 : 8, 8, /*rotate=*/true)});
   }
   static constexpr const char* kOtherOption =
       "saved from a q4 store with group = 4, the target store has group = 8";

@@ -378,13 +378,13 @@ TEST(CountersTest, KvBytesReadAreWhatEachStoreHoldsForTheAttendedPositions) {
   expect_reads("int8", model, int8, all,
                [&](std::uint64_t e) { return e * 2 * sh.L * sh.n_kv * (sh.hs + sizeof(float)); });
 
-  // 4-bit, G = 8: full groups as codes (G·hs/2 bytes for each of K and V) with an f32
-  // (min, step) per key channel and per value row; the open group's rows in f32.
+  // 4-bit, G = 8, no residual window: full groups as codes (G·hs/2 bytes for each of K and V)
+  // with an f16 (min, step) per key channel and per value row; the open group's rows in f32.
   const std::uint64_t G = 8;
-  CountingStore<Q4Store<float>> q4(cfg, 0, G);
+  CountingStore<Q4Store<float>> q4(cfg, 0, G, 0);
   expect_reads("q4", model, q4, all, [&](std::uint64_t e) {
     const std::uint64_t groups = e / G;
-    return groups * sh.L * sh.n_kv * (G * sh.hs + 8 * sh.hs + 8 * G) + (e - groups * G) * f32_row;
+    return groups * sh.L * sh.n_kv * (G * sh.hs + 4 * sh.hs + 4 * G) + (e - groups * G) * f32_row;
   });
 
   // A trained window of W = 6 with S = 2 sinks and a ring of W - 1 + 4 rows: the sinks and

@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -19,10 +20,12 @@
 #include <vector>
 
 #include "kvdecode/detail/cpu.hpp"
+#include "kvdecode/detail/f16.hpp"
 #include "kvdecode/detail/gemm.hpp"
 #include "kvdecode/detail/gemv.hpp"
 #include "kvdecode/detail/linear.hpp"
 #include "kvdecode/detail/quantize.hpp"
+#include "kvdecode/detail/rotation.hpp"
 #include "kvdecode/kvdecode.hpp"
 #include "test_util.hpp"
 
@@ -484,6 +487,75 @@ TEST(KernelsTest, ThreadedAttentionEqualsSingleThreaded) {
   EXPECT_EQ(out1, out3);
   ThreadPool four(4);
   EXPECT_THROW(attend(cfg, store, 1, len - n, n, q.data(), out3.data(), three, &four), Error);
+}
+
+// The low-bit stores' rotation: rotate_rows equals the matrix (1/√b) H D per block of b
+// channels, written out here with H[i][j] = (-1)^popcount(i & j), and that matrix is
+// orthogonal, so q·k and the attention output are unchanged once rows are rotated back.
+TEST(RotationTest, RowsRotateByAnOrthogonalBlockHadamardMatrix) {
+  for (const std::size_t hs : {2u, 16u, 48u, 64u, 80u, 128u}) {
+    std::size_t b = 1;
+    while (hs % (2 * b) == 0) b *= 2;
+    EXPECT_EQ(detail::rotation_block(hs), b) << hs;
+    std::vector<float> signs(hs);
+    detail::rotation_signs(hs, signs.data());
+    std::vector<double> m(hs * hs, 0.0);  // [hs][hs]
+    for (std::size_t i = 0; i < hs; ++i)
+      for (std::size_t j = i / b * b; j < i / b * b + b; ++j)
+        m[i * hs + j] = (std::popcount((i % b) & (j % b)) % 2 == 0 ? 1.0 : -1.0) * signs[j] /
+                        std::sqrt(static_cast<double>(b));
+    for (std::size_t i = 0; i < hs; ++i)
+      for (std::size_t j = 0; j < hs; ++j) {
+        double dot = 0;
+        for (std::size_t c = 0; c < hs; ++c) dot += m[i * hs + c] * m[j * hs + c];
+        ASSERT_NEAR(dot, i == j ? 1.0 : 0.0, 1e-12) << hs;
+      }
+    const auto x = random_vector<double>(3 * hs, hs);
+    std::vector<double> y = x;
+    detail::rotate_rows(y.data(), 3, hs, signs.data(), /*inverse=*/false);
+    for (std::size_t r = 0; r < 3; ++r)
+      for (std::size_t i = 0; i < hs; ++i) {
+        double want = 0;
+        for (std::size_t c = 0; c < hs; ++c) want += m[i * hs + c] * x[r * hs + c];
+        ASSERT_NEAR(y[r * hs + i], want, 1e-12) << hs;
+      }
+    detail::rotate_rows(y.data(), 3, hs, signs.data(), /*inverse=*/true);
+    for (std::size_t i = 0; i < 3 * hs; ++i) ASSERT_NEAR(y[i], x[i], 1e-12) << hs;
+  }
+}
+
+// f16 conversions: round to nearest even, exact back, the directed roundings on the right side,
+// against the binary16 grid computed here with ldexp.
+TEST(F16Test, ConversionsFollowTheBinary16Grid) {
+  const auto value = [](std::uint16_t h) {
+    const int e = (h >> 10) & 0x1F, man = h & 0x3FF;
+    const double v = e == 0 ? std::ldexp(man, -24) : std::ldexp(1024 + man, e - 25);
+    return (h & 0x8000) != 0 ? -v : v;
+  };
+  for (std::uint32_t h = 0; h < 0x10000; ++h) {
+    if (((h >> 10) & 0x1F) == 0x1F) continue;  // inf, NaN
+    const auto bits = static_cast<std::uint16_t>(h);
+    ASSERT_EQ(static_cast<double>(detail::f16_to_float(bits)), value(bits)) << h;
+    if (value(bits) != 0) {
+      ASSERT_EQ(detail::f16_from_float(detail::f16_to_float(bits)), bits) << h;
+    }
+  }
+  detail::SplitMix64 rng(7);
+  for (int i = 0; i < 100000; ++i) {
+    const auto x =
+        static_cast<float>(std::ldexp(rng.symmetric(), static_cast<int>(rng.next() % 30) - 22));
+    const double near = detail::f16_to_float(detail::f16_from_float(x));
+    const double lo = detail::f16_to_float(detail::f16_at_most(x));
+    ASSERT_LE(lo, x);
+    // one f16 unit: 2^-10 relative for normals, 2^-24 below them
+    ASSERT_LE(x - lo, std::max(std::abs(double{x}) * 0x1p-10, 0x1p-24)) << x;
+    ASSERT_LE(std::abs(near - x), std::max(std::abs(double{x}) * 0x1p-11, 0x1p-25)) << x;
+    if (x >= 0) {
+      const double hi = detail::f16_to_float(detail::f16_at_least(x));
+      ASSERT_GE(hi, x);
+      ASSERT_LE(hi - x, std::max(double{x} * 0x1p-10, 0x1p-24)) << x;
+    }
+  }
 }
 
 }  // namespace

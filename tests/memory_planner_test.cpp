@@ -153,12 +153,19 @@ TEST(MemoryPlannerTest, Int8CacheIsAtMost27PercentOfF32FromHeadSize64) {
 
 // The 4-bit store's fixed part is its staging of one group and the cancel copy of it, in T:
 // 4 × n_layers × n_kv_heads × G × head_size × sizeof(T), whatever the context.
-TEST(MemoryPlannerTest, Q4FixedBytesAreTheStagingOfOneGroup) {
+// The fixed part of a 4-bit cache: the ring of R + G exact rows of K and V per (layer, kv head)
+// and its cancel copy, one group's work rows (2·G·hs + 2·hs + 2·G floats) and two counters
+// per layer.
+TEST(MemoryPlannerTest, Q4FixedBytesAreTheRingAndTheWorkRows) {
   for (const ModelConfig& cfg : configs()) {
     for (const std::size_t g : {16u, 64u}) {
-      const MemoryPlanner<Q4Store<float>> plan(cfg, {.group = g});
-      EXPECT_EQ(plan.fixed_bytes(), 4u * static_cast<std::uint64_t>(cfg.n_layers * cfg.n_kv_heads) *
-                                        g * static_cast<std::uint64_t>(cfg.head_size()) * 4u);
+      const MemoryPlanner<Q4Store<float>> plan(cfg, {.group = g, .residual = 128});
+      const auto hs = static_cast<std::uint64_t>(cfg.head_size());
+      EXPECT_EQ(
+          plan.fixed_bytes(),
+          4u * static_cast<std::uint64_t>(cfg.n_layers * cfg.n_kv_heads) * (128 + g) * hs * 4u +
+              (2 * g * hs + 2 * hs + 2 * g) * 4u +
+              2 * static_cast<std::uint64_t>(cfg.n_layers) * sizeof(std::size_t));
     }
   }
 }

@@ -46,15 +46,17 @@ struct StoreTraits<Q4Store<T>> {
     Q4Store<T> s;
     Q4Store<T>& store() { return s; }
   };
-  // Groups of 8, so the suite's 40 positions cross five group boundaries.
+  // Groups of 8 and a residual of 8, so the suite's 40 positions cross four group boundaries;
+  // unrotated, so the per-element bound below holds (the rotated store has its own tests).
   static std::unique_ptr<Holder> make(const ModelConfig& cfg, std::size_t capacity) {
-    return std::make_unique<Holder>(Holder{Q4Store<T>(cfg, capacity, 8)});
+    return std::make_unique<Holder>(Holder{Q4Store<T>(cfg, capacity, 8, 8, false)});
   }
   static constexpr bool kExactRows = false;
   // A range of at most 2 gives steps ≤ 2/15 and errors ≤ 1/15; a row that truncate() sent back
   // to staging is quantized twice, the second time over a range widened by ≤ 2/15:
-  // 1/15 + (2 + 2/15) / 30 = 0.138 in absolute terms.
-  static constexpr double kRowTolerance = (1.0 / 15 + (2.0 + 2.0 / 15) / 30) / kMinRowMax;
+  // 1/15 + (2 + 2/15) / 30 = 0.138 in absolute terms; the f16 ranges widen each step by at
+  // most a factor (1 + 2^-10)² plus 2^-10 of |min| ≤ 1 (q4_half_step).
+  static constexpr double kRowTolerance = (1.0 / 15 + (2.0 + 2.0 / 15) / 30) * 1.003 / kMinRowMax;
   // Empirical regression guard as for int8: measured 0.76 with groups of 8 on this model.
   static constexpr double kLogitTolerance = 1.5;
   static std::vector<std::size_t> expected_resident(std::size_t end) { return all_indices(end); }
@@ -162,6 +164,14 @@ TEST(Int8StoreTest, DequantizedKeysAreCodeTimesScaleAtEveryHeadSize) {
   }
 }
 
+/// Half the 4-bit step over [lo, hi] with f16 ranges: min is rounded down by at most one f16
+/// unit (2^-10 relative, 2^-24 below the normal range) and the step up by as much, so
+/// s ≤ ((hi - lo + 2^-10 |lo| + 2^-24) / 15) (1 + 2^-10) + 2^-24; plus f32 rounding of the code.
+double q4_half_step(double lo, double hi) {
+  const double s = (hi - lo + 0x1p-10 * std::abs(lo) + 0x1p-24) / 15 * (1 + 0x1p-10) + 0x1p-24;
+  return s / 2 + 1e-6 * (1 + std::abs(lo) + std::abs(hi));
+}
+
 // Keys within half the step of their channel over the group, values within half their row's
 // step, the open group exact; at head size hs (see the int8 test above for the choice of hs).
 void expect_q4_within_half_a_step(std::size_t hs) {
@@ -169,7 +179,7 @@ void expect_q4_within_half_a_step(std::size_t hs) {
   cfg.dim = static_cast<std::int64_t>(2 * hs);
   const std::size_t kv_dim = 2 * hs, group = 16, n = 53;  // three groups and a residual
   const auto k = random_rows(n, kv_dim, 4), v = random_rows(n, kv_dim, 5);
-  Q4Store<float> s(cfg, 64, group);
+  Q4Store<float> s(cfg, 64, group, /*residual=*/0, /*rotate=*/false);
   append(s, k, v, 0, 7, kv_dim);
   append(s, k, v, 7, 40, kv_dim);
   for (std::size_t p = 47; p < n; ++p) append(s, k, v, p, 1, kv_dim);
@@ -195,9 +205,8 @@ void expect_q4_within_half_a_step(std::size_t hs) {
           klo = std::min(klo, double{k[r * kv_dim + h * hs + c]});
           khi = std::max(khi, double{k[r * kv_dim + h * hs + c]});
         }
-        const double slack = 1e-6 * (1 + std::max(std::abs(klo), std::abs(khi)));
-        ASSERT_LE(std::abs(g.keys[p][c] - kx), (khi - klo) / 30 + slack) << p << " " << c;
-        ASSERT_LE(std::abs(g.values[p][c] - vx), (vhi - vlo) / 30 + 1e-6 * (1 + std::abs(vlo)));
+        ASSERT_LE(std::abs(g.keys[p][c] - kx), q4_half_step(klo, khi)) << p << " " << c;
+        ASSERT_LE(std::abs(g.values[p][c] - vx), q4_half_step(vlo, vhi));
       }
     }
   }
@@ -215,18 +224,18 @@ TEST(Q4StoreTest, KeysPerChannelValuesPerTokenWithinHalfAStep) {
 TEST(Q4StoreTest, OutlierChannelDoesNotWidenOtherChannelsSteps) {
   const ModelConfig cfg = small_config(4, 2, 64);
   const auto k = random_rows(32, 32, 6);
-  Q4Store<float> s(cfg, 64, 16);
+  Q4Store<float> s(cfg, 64, 16, /*residual=*/0, /*rotate=*/false);
   append(s, k, k, 0, 32, 32);
   for (std::size_t c = 0; c < 16; ++c) {
     if (c % 11 == 3) continue;  // the outlier channel (c = 3 of head 0)
-    EXPECT_LE(s.key_step(0, 0, 0, c), 2.0f / 15) << c;
+    EXPECT_LE(s.key_step(0, 0, 0, c), 2 * q4_half_step(-1, 1)) << c;
   }
 }
 
 TEST(Q4StoreTest, CancelAcrossAGroupBoundaryRestoresTheResidualExactly) {
   const ModelConfig cfg = small_config(4, 2, 64);
   const auto k = random_rows(64, 32, 7), v = random_rows(64, 32, 8);
-  Q4Store<float> s(cfg, 64, 8);
+  Q4Store<float> s(cfg, 64, 8, /*residual=*/0);
   append(s, k, v, 0, 13, 32);  // one quantized group, 5 residual rows
   const auto before = gather(s, 1, 0, 13);
   s.begin_append(test_tokens(13, 20));  // would complete group 1 and fill groups 2, 3
@@ -373,7 +382,7 @@ double q4_row_bound(const std::vector<double>& x, std::size_t t, std::size_t col
       hi = std::max(hi, x[t * kv_dim + h0 + i]);
     }
   }
-  return (hi - lo) / 30 * (1 + 1e-6) + kF32Slack * (1 + std::abs(lo) + std::abs(hi));
+  return q4_half_step(lo, hi) + kF32Slack * (1 + std::abs(lo) + std::abs(hi));
 }
 
 TEST(QuantizedLogitsTest, Int8MatchesDoubleForwardOverItsOwnKv) {
@@ -385,9 +394,10 @@ TEST(QuantizedLogitsTest, Int8MatchesDoubleForwardOverItsOwnKv) {
 
 TEST(QuantizedLogitsTest, Q4MatchesDoubleForwardOverItsOwnKv) {
   // Groups of 8: the prefill completes one group and decode four more; none stays open.
-  Q4Store<float> f(small_config(4, 2, 48), 40, 8);
+  Q4Store<float> f(small_config(4, 2, 48), 40, 8, /*residual=*/0, /*rotate=*/false);
   expect_logits_over_own_kv(f, 1e-5, q4_row_bound<8>);
-  Q4Store<double> d(small_config(4, 2, 48), 40, 16);  // 8 rows stay in the open group
+  // 8 rows stay in the open group.
+  Q4Store<double> d(small_config(4, 2, 48), 40, 16, /*residual=*/0, /*rotate=*/false);
   expect_logits_over_own_kv(d, 1e-12, q4_row_bound<16>);
 }
 
@@ -415,28 +425,41 @@ TEST(QuantizedMemoryTest, MemoryBytesFollowTheFormula) {
       const Int8Store<float> i8(cfg, capacity);
       EXPECT_EQ(i8.memory_bytes(), 2 * L * kv * capacity * (h + 4));
       EXPECT_EQ(i8.memory_bytes(), Int8Store<float>::memory_bytes_for(cfg, {capacity}));
-      // 4-bit: per full group of G positions, codes (G·h/2 per K and V), an f32 (min, step)
-      // per key channel and per value row; plus the f32 staging area and its cancel copy.
-      for (const std::size_t G : {32u, 64u}) {
-        const Q4Store<float> q4(cfg, capacity, G);
-        const std::size_t groups = capacity / G;
-        const std::size_t per_group = 2 * (G * h / 2) + 2 * 4 * h + 2 * 4 * G;
-        const std::size_t residual = 4 * G * h * sizeof(float);
-        EXPECT_EQ(q4.memory_bytes(), L * kv * (groups * per_group + residual));
-        EXPECT_EQ(q4.residual_bytes(), L * kv * residual);
-        EXPECT_EQ(q4.memory_bytes(), Q4Store<float>::memory_bytes_for(cfg, {capacity, G}));
-        EXPECT_DOUBLE_EQ(MemoryPlanner<Q4Store<float>>(cfg, {.group = G}).bytes_per_position() *
-                             static_cast<double>(G),
-                         static_cast<double>(L * kv * per_group));
-      }
+      // 4-bit and 2-bit: per full group of G positions, codes (G·h·bits/8 per K and V), an
+      // f16 (min, step) per key channel and per value row; the f32 ring of R + G rows and its
+      // cancel copy; work rows 2·G·h + 2·h + 2·G floats; signs h floats when rotating; token
+      // ids; two size_t counters per layer.
+      for (const std::size_t G : {32u, 64u})
+        for (const std::size_t R : {0u, 128u})
+          for (const bool rot : {false, true}) {
+            const auto expect = [&](auto store, std::size_t bits) {
+              using S = decltype(store);
+              const std::size_t groups = capacity / G;
+              const std::size_t per_group = 2 * (G * h * bits / 8) + 2 * 2 * h + 2 * 2 * G;
+              const std::size_t residual = 4 * (R + G) * h * sizeof(float);
+              const std::size_t fixed = (2 * G * h + 2 * h + 2 * G) * sizeof(float) +
+                                        (rot ? h * sizeof(float) : 0) + L * 2 * sizeof(std::size_t);
+              EXPECT_EQ(store.memory_bytes(),
+                        L * kv * (groups * per_group + residual) + fixed + 4 * capacity)
+                  << bits << " bits G " << G << " R " << R << " capacity " << capacity;
+              EXPECT_EQ(store.residual_bytes(), L * kv * residual);
+              EXPECT_EQ(store.memory_bytes(), S::memory_bytes_for(cfg, {capacity, G, R, rot}));
+              EXPECT_DOUBLE_EQ(MemoryPlanner<S>(cfg, {.group = G, .residual = R, .rotate = rot})
+                                       .bytes_per_position() *
+                                   static_cast<double>(G),
+                               static_cast<double>(L * kv * per_group + 4 * G));
+            };
+            expect(Q4Store<float>(cfg, capacity, G, R, rot), 4);
+            expect(Q2Store<float>(cfg, capacity, G, R, rot), 2);
+          }
     }
   }
 }
 
 // The budgets, bytes per token including scales, relative to the f32 cache
 // (2 × n_layers × kv_dim × 4 bytes per token). int8 pays 4/head_size for its scale, so the 27 %
-// holds from head_size 64 up; 4-bit pays 8/G + 8/head_size for its (min, step) pairs, so 15 %
-// holds at head_size 128 with G = 64 (or head_size 64 with G = 128).
+// holds from head_size 64 up; 4-bit pays 4/G + 4/head_size of f32 for its f16 (min, step)
+// pairs and 4 bytes per position for the token id, so 15 % holds from head_size 64 at G = 64.
 TEST(QuantizedMemoryTest, BytesPerTokenWithinTheBudgets) {
   for (const std::int64_t hs : {64, 128}) {
     const ModelConfig cfg = llama_shape(hs);
@@ -449,14 +472,14 @@ TEST(QuantizedMemoryTest, BytesPerTokenWithinTheBudgets) {
   };
   EXPECT_LE(MemoryPlanner<Q4Store<float>>(c128, {.group = 64}).bytes_per_position() / f32(c128),
             0.15);
-  EXPECT_LE(MemoryPlanner<Q4Store<float>>(c64, {.group = 128}).bytes_per_position() / f32(c64),
+  EXPECT_LE(MemoryPlanner<Q4Store<float>>(c64, {.group = 64}).bytes_per_position() / f32(c64),
             0.15);
   // Whole caches at seq_len, the fixed residual included.
   const ContiguousStore<float> full(c128);
   EXPECT_LE(static_cast<double>(Int8Store<float>(c128).memory_bytes()) /
                 static_cast<double>(full.memory_bytes()),
             0.27);
-  // 4-bit adds its fixed f32 residual (4 × G rows per kv head: staging and cancel copy).
+  // 4-bit adds its fixed f32 residual (4 × (R + G) rows per kv head: ring and cancel copy).
   const Q4Store<float> q4(c128, 0, 64);
   EXPECT_LE(static_cast<double>(q4.memory_bytes() - q4.residual_bytes()) /
                 static_cast<double>(full.memory_bytes()),

@@ -67,7 +67,7 @@ struct Setup {
         return f(s);
       }
       case kQ4: {
-        Q4Store<T> s(cfg, 0, 8);
+        Q4Store<T> s(cfg, 0, 8, 8);  // groups quantized 8 positions behind the newest
         return f(s);
       }
       case kWindow: {
@@ -449,11 +449,11 @@ TEST(SpeculativeQ4Test, AChunkPastTheCapReadsDifferentlyFromDecoding) {
   const Model<double> model(random_weights<double>(cfg, 17));
   const auto vocab = static_cast<std::size_t>(cfg.vocab_size);
   const Tokens tokens = {4, 9, 2, 7, 1};
-  const std::vector<double> decoded =
-      decoded_logits<Q4Store<double>>(model, tokens, [&] { return Q4Store<double>(cfg, 20, 4); });
+  const std::vector<double> decoded = decoded_logits<Q4Store<double>>(
+      model, tokens, [&] { return Q4Store<double>(cfg, 20, 4, 0); });
   // After one token, the group of 4 ends at position 3: the cap is 2 positions.
   const auto chunk_logits = [&](std::size_t n) {
-    Q4Store<double> s(cfg, 20, 4);
+    Q4Store<double> s(cfg, 20, 4, 0);
     Activations<double> act(cfg, {.max_chunk = 8, .store_scratch = s.block_scratch_size()});
     model.prefill(std::span<const std::int32_t>(tokens).first(1), s, act);
     EXPECT_EQ(speculative_append_limit(s), 2u);
@@ -585,12 +585,12 @@ TEST(SpeculativePropertyTest, RandomVerifyAndRollbackMatchTheRecompute) {
         "int8", no_check);
   }
   {
-    Q4Store<double> s(cfg, capacity, 4);
+    Q4Store<double> s(cfg, capacity, 4, 4);
     check(
         s,
         [&](const Tokens& seq) {
-          return decoded_logits<Q4Store<double>>(model, seq,
-                                                 [&] { return Q4Store<double>(cfg, capacity, 4); });
+          return decoded_logits<Q4Store<double>>(
+              model, seq, [&] { return Q4Store<double>(cfg, capacity, 4, 4); });
         },
         "q4", no_check);
   }

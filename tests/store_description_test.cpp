@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <map>
@@ -111,7 +112,9 @@ TEST(StoreDescriptionTest, RollingBackMaxExactRollbackEqualsNeverAppending) {
       expect_exact_rollback<Int8Store<float>>(
           "int8", cfg, [&] { return Int8Store<float>(cfg); }, 9, k, chunk);
       expect_exact_rollback<Q4Store<float>>(
-          "q4", cfg, [&] { return Q4Store<float>(cfg, 0, 8); }, 9, k, chunk);
+          "q4", cfg, [&] { return Q4Store<float>(cfg, 0, 8, 8); }, 9, k, chunk);
+      expect_exact_rollback<Q2Store<float>>(
+          "q2", cfg, [&] { return Q2Store<float>(cfg, 0, 4, 0, false); }, 9, k, chunk);
       for (const auto policy : {WindowPolicy::kTrainedWindow, WindowPolicy::kStreaming}) {
         const WindowOptions o{.window = 6, .sinks = 2, .policy = policy, .max_chunk = chunk};
         expect_exact_rollback<WindowStore<float>>(
@@ -193,11 +196,23 @@ TEST(StoreDescriptionTest, OptionsRebuildTheSameStore) {
   EXPECT_EQ(ContiguousStore<float>::memory_bytes_for(cfg, c.options()), c.memory_bytes());
   const Q4Store<float> q4(cfg, 40, 16);
   EXPECT_EQ(q4.options().group, 16u);
+  EXPECT_EQ(q4.options().residual, 128u);
+  EXPECT_FALSE(q4.options().rotate);
+  const Q2Store<float> q2(cfg, 40, 8, 16, false);
+  EXPECT_EQ(Q2Store<float>(cfg, q2.options()).memory_bytes(), q2.memory_bytes());
+  EXPECT_EQ(Q2Store<float>::memory_bytes_for(cfg, q2.options()), q2.memory_bytes());
   EXPECT_EQ(Q4Store<float>(cfg, q4.options()).memory_bytes(), q4.memory_bytes());
   const WindowStore<float> w(
       cfg, {.window = 5, .sinks = 1, .policy = WindowPolicy::kStreaming, .max_chunk = 2});
   EXPECT_EQ(WindowStore<float>::memory_bytes_for(cfg, w.options()), w.memory_bytes());
   EXPECT_EQ(w.options().policy, WindowPolicy::kStreaming);
+}
+
+/// An f16 bit pattern's value: (-1)^s 2^(e-15) (1 + m/1024), or 2^-14 m/1024 when e = 0.
+double f16(std::uint16_t h) {
+  const int e = (h >> 10) & 0x1F, m = h & 0x3FF;
+  const double v = e == 0 ? std::ldexp(m, -24) : std::ldexp(1024 + m, e - 25);
+  return (h & 0x8000) != 0 ? -v : v;
 }
 
 /// Decodes what for_each_coded_block hands for [0, end) with the formulas of the formats
@@ -230,13 +245,35 @@ void expect_coded_blocks_decode_to_blocks(const char* what, const S& s, std::siz
             if constexpr (std::is_same_v<B, Int8KvBlock>) {
               put(b.first + r, c, static_cast<float>(b.keys[r * hs + c]) * b.key_scales[r],
                   static_cast<float>(b.values[r * hs + c]) * b.value_scales[r]);
-            } else if constexpr (std::is_same_v<B, Q4KvBlock>) {
-              const auto nibble = [&](const std::uint8_t* codes) {
-                const std::uint8_t byte = codes[r * hs / 2 + c / 2];
-                return static_cast<float>(c % 2 == 0 ? byte & 0xF : byte >> 4);
+            } else if constexpr (std::is_same_v<B, LowBitKvBlock>) {
+              // The row in rotated coordinates, then D H / √b applied with the matrix written out.
+              const std::size_t per_byte = 8 / b.bits;
+              const auto code = [&](const std::uint8_t* codes, std::size_t i) {
+                const std::uint8_t byte = codes[r * hs / per_byte + i / per_byte];
+                return static_cast<double>((byte >> (b.bits * (i % per_byte))) &
+                                           ((1u << b.bits) - 1));
               };
-              put(b.first + r, c, b.key_min[c] + nibble(b.keys) * b.key_step[c],
-                  b.value_min[r] + nibble(b.values) * b.value_step[r]);
+              std::vector<double> kr(hs), vr(hs);
+              for (std::size_t i = 0; i < hs; ++i) {
+                kr[i] = f16(b.key_min[i]) + code(b.keys, i) * f16(b.key_step[i]);
+                vr[i] = f16(b.value_min[r]) + code(b.values, i) * f16(b.value_step[r]);
+              }
+              double kc = kr[c], vc = vr[c];
+              if (b.signs != nullptr) {
+                std::size_t blk = 1;  // the largest power of two dividing hs
+                while (hs % (2 * blk) == 0) blk *= 2;
+                const std::size_t c0 = c / blk * blk;
+                kc = vc = 0;
+                for (std::size_t j = c0; j < c0 + blk; ++j) {
+                  const double hcj =
+                      std::popcount((c - c0) & (j - c0)) % 2 == 0 ? 1.0 : -1.0;  // H[c][j]
+                  kc += hcj * kr[j];
+                  vc += hcj * vr[j];
+                }
+                kc *= b.signs[c] / std::sqrt(static_cast<double>(blk));
+                vc *= b.signs[c] / std::sqrt(static_cast<double>(blk));
+              }
+              put(b.first + r, c, static_cast<float>(kc), static_cast<float>(vc));
             } else {
               put(b.first + r, c, b.keys[r * b.stride + c], b.values[r * b.stride + c]);
             }
@@ -258,10 +295,14 @@ TEST(StoreDescriptionTest, CodedBlocksDecodeToWhatForEachBlockHands) {
   append(cfg, i8, 150, 64);
   expect_coded_blocks_decode_to_blocks("int8", i8, 150);
   expect_coded_blocks_decode_to_blocks("int8", i8, 64);
-  Q4Store<float> q4(cfg, 0, 16);
-  append(cfg, q4, 150, 64);  // 9 quantized groups and 6 staged rows
+  Q4Store<float> q4(cfg, 0, 16, 32, /*rotate=*/true);
+  append(cfg, q4, 150, 64);  // 7 quantized groups and 38 exact rows, rotated
   expect_coded_blocks_decode_to_blocks("q4", q4, 150);
   expect_coded_blocks_decode_to_blocks("q4", q4, 40);
+  Q2Store<float> q2(cfg, 0, 16, 0, false);
+  append(cfg, q2, 150, 64);  // 9 quantized groups and 6 exact rows
+  expect_coded_blocks_decode_to_blocks("q2", q2, 150);
+  expect_coded_blocks_decode_to_blocks("q2", q2, 40);
 }
 
 }  // namespace

@@ -31,10 +31,10 @@ void dequantize_int8_portable(const std::int8_t* q, const float* scale, std::siz
 //   values [r][c] = vmin[r] + code · vstep[r]  (per-row range)
 // ---------------------------------------------------------------------------------------------
 
-template <class T>
-void dequantize_q4_portable(const std::uint8_t* kq, const float* kmin, const float* kstep,
-                            const std::uint8_t* vq, const float* vmin, const float* vstep,
-                            std::size_t n, std::size_t head_size, T* keys, T* values) {
+template <class T, class S>
+void dequantize_q4_portable(const std::uint8_t* kq, const S* kmin, const S* kstep,
+                            const std::uint8_t* vq, const S* vmin, const S* vstep, std::size_t n,
+                            std::size_t head_size, T* keys, T* values) {
   const std::size_t hs = head_size;
   for (std::size_t r = 0; r < n; ++r) {
     const std::uint8_t* kr = kq + r * hs / 2;
@@ -42,10 +42,34 @@ void dequantize_q4_portable(const std::uint8_t* kq, const float* kmin, const flo
     T* ko = keys + r * hs;
     T* vo = values + r * hs;
     for (std::size_t c = 0; c < hs; c += 2) {
-      ko[c] = static_cast<T>(kmin[c] + static_cast<float>(kr[c / 2] & 0xF) * kstep[c]);
-      ko[c + 1] = static_cast<T>(kmin[c + 1] + static_cast<float>(kr[c / 2] >> 4) * kstep[c + 1]);
-      vo[c] = static_cast<T>(vmin[r] + static_cast<float>(vr[c / 2] & 0xF) * vstep[r]);
-      vo[c + 1] = static_cast<T>(vmin[r] + static_cast<float>(vr[c / 2] >> 4) * vstep[r]);
+      ko[c] = static_cast<T>(kmin[c] + static_cast<S>(kr[c / 2] & 0xF) * kstep[c]);
+      ko[c + 1] = static_cast<T>(kmin[c + 1] + static_cast<S>(kr[c / 2] >> 4) * kstep[c + 1]);
+      vo[c] = static_cast<T>(vmin[r] + static_cast<S>(vr[c / 2] & 0xF) * vstep[r]);
+      vo[c + 1] = static_cast<T>(vmin[r] + static_cast<S>(vr[c / 2] >> 4) * vstep[r]);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// 2-bit: byte b of a row holds channels 4b + j in bits 2j, 2j + 1 (j = 0..3); the same ranges
+// as 4-bit. Portable only: a 2-bit cache is chosen for its size, and this loop is not what
+// bounds a decode step at the lengths it is used for.
+// ---------------------------------------------------------------------------------------------
+
+template <class T, class S>
+void dequantize_q2_portable(const std::uint8_t* kq, const S* kmin, const S* kstep,
+                            const std::uint8_t* vq, const S* vmin, const S* vstep, std::size_t n,
+                            std::size_t head_size, T* keys, T* values) {
+  const std::size_t hs = head_size;
+  for (std::size_t r = 0; r < n; ++r) {
+    const std::uint8_t* kr = kq + r * hs / 4;
+    const std::uint8_t* vr = vq + r * hs / 4;
+    T* ko = keys + r * hs;
+    T* vo = values + r * hs;
+    for (std::size_t c = 0; c < hs; ++c) {
+      const unsigned shift = 2 * static_cast<unsigned>(c % 4);
+      ko[c] = static_cast<T>(kmin[c] + static_cast<S>((kr[c / 4] >> shift) & 3) * kstep[c]);
+      vo[c] = static_cast<T>(vmin[r] + static_cast<S>((vr[c / 4] >> shift) & 3) * vstep[r]);
     }
   }
 }
@@ -184,13 +208,13 @@ void dequantize_int8(KernelSet ks, const std::int8_t* q, const float* scale, std
 
 /// keys, values [n][head_size] from n rows of 4-bit codes kq, vq [n][head_size / 2]; the key
 /// range per channel (kmin, kstep [head_size]), the value range per row (vmin, vstep [n]).
-/// head_size is even.
-template <class T>
-void dequantize_q4(KernelSet ks, const std::uint8_t* kq, const float* kmin, const float* kstep,
-                   const std::uint8_t* vq, const float* vmin, const float* vstep, std::size_t n,
+/// head_size is even. The ranges are of type S (float, or T when the caller decoded them so).
+template <class T, class S>
+void dequantize_q4(KernelSet ks, const std::uint8_t* kq, const S* kmin, const S* kstep,
+                   const std::uint8_t* vq, const S* vmin, const S* vstep, std::size_t n,
                    std::size_t head_size, T* keys, T* values) {
 #if KVDECODE_X86_KERNELS
-  if constexpr (std::is_same_v<T, float>) {
+  if constexpr (std::is_same_v<T, float> && std::is_same_v<S, float>) {
     switch (ks) {
       case KernelSet::kAvx512Bf16:
       case KernelSet::kAvx512:

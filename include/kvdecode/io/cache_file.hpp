@@ -133,8 +133,8 @@ concept SavableKvStore = KvStore<S> && requires(const S& cs, S& s, typename S::F
 };
 
 static_assert(SavableKvStore<ContiguousStore<float>> && SavableKvStore<Int8Store<float>> &&
-              SavableKvStore<Q4Store<float>> && SavableKvStore<WindowStore<float>> &&
-              SavableKvStore<PagedStore<float>>);
+              SavableKvStore<Q4Store<float>> && SavableKvStore<Q2Store<float>> &&
+              SavableKvStore<WindowStore<float>> && SavableKvStore<PagedStore<float>>);
 
 namespace detail::cache_file {
 
@@ -150,12 +150,13 @@ struct StoreKind {
   std::uint32_t tag;
   std::string_view name;
 };
-inline constexpr std::array<StoreKind, 5> kStoreKinds = {{
+inline constexpr std::array<StoreKind, 6> kStoreKinds = {{
     {ContiguousStore<float>::kFileTag, ContiguousStore<float>::kName},
     {PagedStore<float>::kFileTag, PagedStore<float>::kName},
     {Int8Store<float>::kFileTag, Int8Store<float>::kName},
     {WindowStore<float>::kFileTag, WindowStore<float>::kName},
     {Q4Store<float>::kFileTag, Q4Store<float>::kName},
+    {Q2Store<float>::kFileTag, Q2Store<float>::kName},
 }};
 
 inline std::string_view kind_name(std::uint32_t tag) {

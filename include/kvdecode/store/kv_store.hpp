@@ -109,23 +109,26 @@ struct Int8KvBlock {
   std::size_t n = 0;
 };
 
-/// A block of 4-bit codes as Q4Store keeps a full key group: two codes a byte (the even channel
-/// in the low nibble), x̂ = min + code · step; keys with a (min, step) per channel of the
-/// group, values with a (min, step) per row.
-struct Q4KvBlock {
-  const std::uint8_t* keys = nullptr;    // [n][head_size / 2]
-  const std::uint8_t* values = nullptr;  // [n][head_size / 2]
-  const float* key_min = nullptr;        // [head_size]
-  const float* key_step = nullptr;       // [head_size]
-  const float* value_min = nullptr;      // [n]
-  const float* value_step = nullptr;     // [n]
+/// A block of 4- or 2-bit codes as LowBitStore keeps a full key group: 8 / bits codes a byte
+/// (channel c in bits bits·(c mod 8/bits) of byte c / (8/bits)), x̂ = min + code · step with f16
+/// ranges; keys with a (min, step) per channel of the group, values with one per row. With
+/// `signs`, the codes are of rotated rows: the row is D H x̂ / √b (detail/rotation.hpp).
+struct LowBitKvBlock {
+  const std::uint8_t* keys = nullptr;         // [n][head_size · bits / 8]
+  const std::uint8_t* values = nullptr;       // [n][head_size · bits / 8]
+  const std::uint16_t* key_min = nullptr;     // [head_size] f16
+  const std::uint16_t* key_step = nullptr;    // [head_size] f16
+  const std::uint16_t* value_min = nullptr;   // [n] f16
+  const std::uint16_t* value_step = nullptr;  // [n] f16
+  unsigned bits = 4;
+  const float* signs = nullptr;  // [head_size] the rotation's D, or null when not rotated
   std::size_t first = 0;
   std::size_t n = 0;
 };
 
 /// A store that can hand attention its rows as stored, without decoding them into scratch:
 /// for_each_coded_block calls sink with blocks of its own representation (an Int8KvBlock, a
-/// Q4KvBlock) and, for rows it keeps in full precision, KvBlock<Scalar>, in increasing
+/// LowBitKvBlock) and, for rows it keeps in full precision, KvBlock<Scalar>, in increasing
 /// cache-index order over the same indices for_each_block covers. What it hands decodes to
 /// exactly the rows for_each_block gives (tested), so an attention kernel on codes computes
 /// the same scores.
