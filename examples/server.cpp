@@ -395,8 +395,15 @@ void serve_generation(Server& s, httplib::Response& res, std::vector<std::int32_
           const std::string line = "data: " + dump(chunk) + "\n\n";
           return sink.write(line.data(), line.size());
         };
+        // Every token already there goes into one event: under load, a stream that fell behind
+        // catches up in one write instead of one per token.
         bool done = false;
-        const std::string delta = gen->next(std::chrono::milliseconds(50), done);
+        std::string delta = gen->next(std::chrono::milliseconds(50), done);
+        for (std::size_t n = gen->tokens.size(), k = 0; !done && k < 64; ++k) {
+          delta += gen->next(std::chrono::milliseconds(0), done);
+          if (gen->tokens.size() == n) break;  // nothing more yet
+          n = gen->tokens.size();
+        }
         if (!delta.empty()) {
           *all_text += delta;
           if (!event(delta, nullptr, nullptr)) {

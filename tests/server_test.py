@@ -131,7 +131,7 @@ class ServerTest(unittest.TestCase):
                          whole["choices"][0]["finish_reason"])
         self.assertEqual(events[-1]["usage"]["completion_tokens"],
                          whole["usage"]["completion_tokens"])
-        self.assertGreater(len(events), 2)
+        self.assertGreaterEqual(len(events), 2)
 
     def test_second_chat_turn_prefills_only_what_is_new(self):
         messages = [{"role": "system", "content": "Thus saith the LORD of hosts, the God of Israel"},
