@@ -169,6 +169,21 @@ TEST(EngineTest, CancellationFreesBlocks) {
   EXPECT_EQ(m.blocks_held, 0u);
 }
 
+TEST(EngineTest, DestructionEndsWhatIsLeft) {
+  const ModelConfig cfg = engine_config();
+  const Model<double> model(random_weights<double>(cfg, 9));
+  std::shared_ptr<RequestStream> running, queued;
+  {
+    Engine<double> engine(model, {.n_blocks = 32, .block_size = 4, .max_running = 1});
+    running = engine.submit({.prompt = random_tokens(5, cfg.vocab_size, 1), .max_tokens = 40});
+    engine.step();
+    queued = engine.submit({.prompt = random_tokens(5, cfg.vocab_size, 2), .max_tokens = 40});
+  }
+  EXPECT_EQ(running->finish_reason(), FinishReason::kCancelled);
+  EXPECT_EQ(queued->finish_reason(), FinishReason::kCancelled);
+  EXPECT_EQ(running->tokens().size(), 1u);
+}
+
 TEST(EngineTest, SubmissionFromSeveralThreads) {
   const ModelConfig cfg = engine_config();
   const Model<double> model(random_weights<double>(cfg, 11));

@@ -93,6 +93,13 @@ class Engine {
   }
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
+  /// Requests still queued or running end with kCancelled, so no reader waits forever. The step
+  /// loop must have stopped.
+  ~Engine() {
+    take_incoming();
+    for (auto& s : running_) end(*s, FinishReason::kCancelled);
+    for (auto& s : waiting_) end(*s, FinishReason::kCancelled);
+  }
 
   const EngineOptions& options() const { return options_; }
 
