@@ -282,16 +282,21 @@ TEST(EngineTest, ChunkedPrefillDoesNotStallDecoding) {
   EXPECT_EQ(a->tokens(), alone(model, random_tokens(4, cfg.vocab_size, 1), {.temperature = 0}, 30));
 }
 
-TEST(EngineTest, StopTokenEndsTheRequestAndIsEmitted) {
+TEST(EngineTest, StopTokenEndsTheRequestAndIsEmittedToCallbackAndStream) {
   const ModelConfig cfg = engine_config();
   const Model<double> model(random_weights<double>(cfg, 17));
   Engine<double> engine(model, {.n_blocks = 32, .block_size = 4});
   const Tokens prompt = random_tokens(6, cfg.vocab_size, 5);
   const Tokens free_run = alone(model, prompt, {.temperature = 0}, 10);
   const std::int32_t stop = free_run[3];
-  const auto s = engine.submit({.prompt = prompt, .max_tokens = 10, .stop_tokens = {stop}});
+  Tokens seen;  // through the callback, on the step thread
+  const auto s = engine.submit(
+      {.prompt = prompt, .max_tokens = 10, .stop_tokens = {stop}, .on_token = [&](std::int32_t t) {
+         seen.push_back(t);
+       }});
   run_to_completion(engine);
   EXPECT_EQ(s->tokens(), alone(model, prompt, {.temperature = 0}, 10, stop));
+  EXPECT_EQ(seen, s->tokens());
   EXPECT_EQ(s->tokens().back(), stop);
   EXPECT_EQ(s->finish_reason(), FinishReason::kStopToken);
 }
