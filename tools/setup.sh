@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 packages=(cmake make g++ libeigen3-dev libxxhash-dev libgtest-dev libgmock-dev libbenchmark-dev
-          libcli11-dev)
+          libcli11-dev pkg-config libcpp-httplib-dev nlohmann-json3-dev python3 curl)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -1,0 +1,604 @@
+// server: an OpenAI-compatible HTTP server over kvdecode's serving Engine. POST
+// /v1/completions and /v1/chat/completions (a one-verse-per-turn chat template for the bundled
+// KJV model), streamed as server-sent events when "stream" is true; GET /health and /metrics.
+// Requests from every connection share one paged KV pool and its prefix cache, so a shared
+// system prompt or an earlier turn of a conversation is computed once. Listens on 127.0.0.1
+// unless told otherwise. `server --help` lists the flags.
+#include <httplib.h>
+// <resolv.h>, which httplib.h includes, defines _res as a macro; Eigen names parameters _res.
+#undef _res
+
+#include <signal.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <ctime>
+#include <deque>
+#include <filesystem>
+#include <kvdecode/kvdecode.hpp>
+#include <kvdecode/serving/engine.hpp>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+#include "cli.hpp"
+
+#ifndef KVDECODE_VERSION
+#define KVDECODE_VERSION "unknown"
+#endif
+#ifndef KVDECODE_DEFAULT_MODEL_DIR  // set by examples/CMakeLists.txt to the repository's models/
+#define KVDECODE_DEFAULT_MODEL_DIR "models"
+#endif
+
+namespace {
+
+using json = nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+struct Options {
+  std::string model;  // "" = the bundled KJV model
+  std::string tokenizer;
+  std::string host = "127.0.0.1";
+  int port = 8080;
+  std::size_t blocks = 1024;
+  std::size_t block_size = 16;
+  std::size_t max_running = 16;
+  std::size_t step_tokens = 256;
+  std::size_t threads = 2;
+  std::size_t http_threads = 64;
+  std::size_t max_body_bytes = 1 << 20;
+  bool no_prefix_cache = false;
+  bool verbose = false;
+};
+
+void declare(CLI::App& app, Options& o) {
+  using cli::number;
+  app.description(
+      "OpenAI-compatible HTTP server over the serving engine: POST /v1/completions and "
+      "/v1/chat/completions (\"stream\": true for server-sent events), GET /health and "
+      "/metrics. Prints 'listening on http://HOST:PORT' once it accepts connections.");
+  app.footer(
+      "Exit codes: 0 after SIGINT or SIGTERM, 1 an error (a missing model, a port in use), 2 a "
+      "bad command line.");
+  app.add_option("-m,--model", o.model,
+                 "llama2.c checkpoint (default: the bundled models/kjv_tiny.bin)");
+  app.add_option("--tokenizer", o.tokenizer, "tokenizer.bin (default: beside the model)");
+  app.add_option("--host", o.host, "address to bind; 0.0.0.0 exposes the server to the network")
+      ->capture_default_str();
+  app.add_option("--port", o.port, "TCP port; 0 picks a free one (printed)")
+      ->check(number<int>(0, 65535))
+      ->capture_default_str();
+  app.add_option("--blocks", o.blocks, "KV blocks in the pool")
+      ->check(number<std::size_t>(1, std::size_t{1} << 20))
+      ->capture_default_str();
+  app.add_option("--block-size", o.block_size, "positions per KV block")
+      ->check(number<std::size_t>(1, 4096))
+      ->capture_default_str();
+  app.add_option("--max-running", o.max_running, "sequences decoded together in one step")
+      ->check(number<std::size_t>(1, 1024))
+      ->capture_default_str();
+  app.add_option("--step-tokens", o.step_tokens,
+                 "tokens per step: one per decoding sequence, the rest prefill chunks")
+      ->check(number<std::size_t>(1, 65536))
+      ->capture_default_str();
+  app.add_option("-t,--threads", o.threads, "threads of each engine step")
+      ->check(number<std::size_t>(1, 1024))
+      ->capture_default_str();
+  app.add_option("--http-threads", o.http_threads,
+                 "connections served at once (a streaming request holds one)")
+      ->check(number<std::size_t>(1, 4096))
+      ->capture_default_str();
+  app.add_option("--max-body-bytes", o.max_body_bytes, "largest request body accepted")
+      ->check(number<std::size_t>(16, std::size_t{1} << 30))
+      ->capture_default_str();
+  app.add_flag("--no-prefix-cache", o.no_prefix_cache, "compute every prompt in full");
+  app.add_flag("--verbose", o.verbose, "errors name the library header and line");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Requests: parsing and validation. Every problem is a BadRequest, answered 400 with its text.
+
+struct BadRequest {
+  std::string message;
+};
+
+/// A number field of `body`, absent → fallback; wrong type or range → BadRequest.
+double number_field(const json& body, const char* name, double fallback, double lo, double hi) {
+  if (!body.contains(name) || body[name].is_null()) return fallback;
+  if (!body[name].is_number())
+    throw BadRequest{std::string("'") + name + "' must be a number, got " + body[name].dump()};
+  const double v = body[name].get<double>();
+  if (!(v >= lo && v <= hi))
+    throw BadRequest{std::string("'") + name + "' must be in [" + cli::to_text(lo) + ", " +
+                     cli::to_text(hi) + "], got " + body[name].dump()};
+  return v;
+}
+
+struct Sampling {
+  kvdecode::SamplerOptions sampler;
+  std::size_t max_tokens = 16;
+  bool stream = false;
+  std::vector<std::string> stop;
+};
+
+Sampling read_sampling(const json& body, std::size_t default_max_tokens) {
+  Sampling s;
+  s.sampler.temperature = number_field(body, "temperature", 1.0, 0.0, 100.0);
+  s.sampler.top_p = number_field(body, "top_p", 1.0, 0.0, 1.0);
+  s.sampler.seed = static_cast<std::uint64_t>(number_field(body, "seed", 1, 1, 9.0e15));
+  s.max_tokens = static_cast<std::size_t>(
+      number_field(body, "max_tokens", static_cast<double>(default_max_tokens), 1, 1e6));
+  if (body.contains("n") && !(body["n"].is_number_integer() && body["n"].get<long>() == 1))
+    throw BadRequest{"only 'n': 1 is supported"};
+  if (body.contains("stream")) {
+    if (!body["stream"].is_boolean()) throw BadRequest{"'stream' must be true or false"};
+    s.stream = body["stream"].get<bool>();
+  }
+  if (body.contains("stop") && !body["stop"].is_null()) {
+    const json& st = body["stop"];
+    if (st.is_string()) {
+      s.stop.push_back(st.get<std::string>());
+    } else if (st.is_array() && st.size() <= 4) {
+      for (const json& x : st) {
+        if (!x.is_string()) throw BadRequest{"'stop' must be a string or up to 4 strings"};
+        s.stop.push_back(x.get<std::string>());
+      }
+    } else {
+      throw BadRequest{"'stop' must be a string or up to 4 strings"};
+    }
+  }
+  return s;
+}
+
+std::string required_string(const json& j, const char* name, const char* where) {
+  if (!j.contains(name) || !j[name].is_string())
+    throw BadRequest{std::string(where) + " needs a string '" + name + "'"};
+  return j[name].get<std::string>();
+}
+
+// ---------------------------------------------------------------------------------------------
+// The server's state shared by every connection.
+
+struct Server {
+  Server(const Options& options, std::string name, kvdecode::Tokenizer tok)
+      : o(options), model_name(std::move(name)), tokenizer(std::move(tok)) {}
+  const Options& o;
+  std::string model_name;
+  kvdecode::Tokenizer tokenizer;
+  std::unique_ptr<kvdecode::Model<float>> model;
+  std::unique_ptr<kvdecode::ThreadPool> threads;
+  std::unique_ptr<kvdecode::Engine<float>> engine;
+  std::vector<std::int32_t> newline_ids;  // every token whose piece holds '\n'
+  std::int32_t newline = 0;               // the token of "\n" itself
+  std::atomic<std::uint64_t> http_requests{0}, bad_requests{0};
+
+  // The chat template's memory of its own answers: an assistant message's text → the tokens
+  // that produced it, so the next turn's prompt repeats them exactly and finds them cached.
+  std::mutex memo_mutex;
+  std::map<std::string, std::vector<std::int32_t>> memo;
+  std::deque<std::string> memo_order;  // oldest first, for the bound below
+  static constexpr std::size_t kMemoEntries = 4096;
+
+  void remember(const std::string& text, std::vector<std::int32_t> tokens) {
+    std::lock_guard lock(memo_mutex);
+    if (memo.emplace(text, std::move(tokens)).second) memo_order.push_back(text);
+    if (memo_order.size() > kMemoEntries) {
+      memo.erase(memo_order.front());
+      memo_order.pop_front();
+    }
+  }
+  std::optional<std::vector<std::int32_t>> recall(const std::string& text) {
+    std::lock_guard lock(memo_mutex);
+    const auto it = memo.find(text);
+    if (it == memo.end()) return std::nullopt;
+    return it->second;
+  }
+
+  /// The chat template: BOS, then each message's text (the tokenizer's dummy space before it)
+  /// followed by a newline token — one verse per turn, as the KJV model writes them. An
+  /// assistant message the server wrote is repeated as the tokens it generated.
+  std::vector<std::int32_t> chat_prompt(const json& messages) {
+    if (!messages.is_array() || messages.empty())
+      throw BadRequest{"'messages' must be a non-empty array"};
+    std::vector<std::int32_t> tokens{kvdecode::Tokenizer::kBos};
+    for (const json& m : messages) {
+      if (!m.is_object()) throw BadRequest{"every message must be an object"};
+      const std::string role = required_string(m, "role", "a message");
+      if (role != "system" && role != "user" && role != "assistant")
+        throw BadRequest{"a message's 'role' must be system, user or assistant, got '" + role +
+                         "'"};
+      const std::string content = required_string(m, "content", "a message");
+      if (role == "assistant") {
+        if (auto known = recall(content)) {
+          tokens.insert(tokens.end(), known->begin(), known->end());
+          continue;
+        }
+      }
+      const auto ids = tokenizer.encode(content, false);
+      tokens.insert(tokens.end(), ids.begin(), ids.end());
+      tokens.push_back(newline);
+    }
+    return tokens;
+  }
+
+  /// The text of a generated token after `prev`, as generate shows it.
+  std::string_view piece(std::int32_t prev, std::int32_t token) const {
+    const std::string_view p = tokenizer.decode(prev, token);
+    if (p.size() == 1 && static_cast<unsigned char>(p[0]) >= 0x80) return p;
+    return kvdecode::Tokenizer::printed_text(p);
+  }
+};
+
+std::string dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
+
+void send_error(httplib::Response& res, int status, const std::string& message,
+                const char* type = "invalid_request_error") {
+  res.status = status;
+  res.set_content(dump({{"error", {{"message", message}, {"type", type}}}}), "application/json");
+}
+
+json usage_json(const kvdecode::RequestUsage& u) {
+  return {{"prompt_tokens", u.prompt_tokens},
+          {"completion_tokens", u.generated_tokens},
+          {"total_tokens", u.prompt_tokens + u.generated_tokens},
+          {"prompt_tokens_details", {{"cached_tokens", u.cached_tokens}}},
+          {"prefilled_tokens", u.prefilled_tokens},
+          {"recomputed_tokens", u.recomputed_tokens},
+          {"preemptions", u.preemptions},
+          {"queue_ms", u.queue_ms},
+          {"ttft_ms", u.ttft_ms}};
+}
+
+/// One generation: the engine's stream turned into text, stopping at the stop strings (and, for
+/// chat, at the end of the line).
+struct Generation {
+  Server& server;
+  std::shared_ptr<kvdecode::RequestStream> stream;
+  kvdecode::TextStream text;
+  std::int32_t prev;
+  std::vector<std::int32_t> tokens;  // generated so far
+  bool stopped_by_text = false;
+
+  Generation(Server& s, std::shared_ptr<kvdecode::RequestStream> st, std::vector<std::string> stop,
+             std::int32_t last_prompt_token)
+      : server(s), stream(std::move(st)), text(std::move(stop)), prev(last_prompt_token) {}
+
+  /// Waits up to `timeout` for the next token; returns the text it adds ("" too when nothing
+  /// came). `done` turns true when the generation has ended.
+  std::string next(std::chrono::milliseconds timeout, bool& done) {
+    std::int32_t token = 0;
+    const auto w = stream->next_for(token, timeout);
+    if (w == kvdecode::RequestStream::Wait::kTimeout) return {};
+    if (w == kvdecode::RequestStream::Wait::kFinished) {
+      done = true;
+      return std::string(text.flush());
+    }
+    tokens.push_back(token);
+    std::string out;
+    if (token != kvdecode::Tokenizer::kBos) out = std::string(text.push(server.piece(prev, token)));
+    prev = token;
+    if (text.stopped()) {
+      stopped_by_text = true;
+      stream->cancel();  // the text is complete: the engine frees its blocks
+      done = true;
+    }
+    return out;
+  }
+
+  std::string finish_reason() const {
+    if (stopped_by_text) return "stop";
+    const auto r = stream->finish_reason();
+    if (r == kvdecode::FinishReason::kStopToken) return "stop";
+    if (r == kvdecode::FinishReason::kMaxTokens || r == kvdecode::FinishReason::kContextFull)
+      return "length";
+    return std::string(kvdecode::to_string(r));
+  }
+};
+
+long long unix_time() { return static_cast<long long>(std::time(nullptr)); }
+
+/// Serves one completion (chat or not) after its prompt is built: submits it, then answers
+/// with the whole text, or streams it as server-sent events.
+void serve_generation(Server& s, httplib::Response& res, std::vector<std::int32_t> prompt,
+                      const Sampling& sp, bool chat) {
+  kvdecode::RequestOptions req;
+  req.prompt = std::move(prompt);
+  req.sampling = sp.sampler;
+  req.max_tokens = sp.max_tokens;
+  req.stop_tokens = {kvdecode::Tokenizer::kBos};
+  std::vector<std::string> stop = sp.stop;
+  if (chat) {
+    // One verse per turn: a token holding a newline ends the answer.
+    req.stop_tokens.insert(req.stop_tokens.end(), s.newline_ids.begin(), s.newline_ids.end());
+    stop.push_back("\n");
+  }
+  const std::int32_t last = req.prompt.back();
+  std::shared_ptr<kvdecode::RequestStream> stream;
+  try {
+    stream = s.engine->submit(std::move(req));
+  } catch (const kvdecode::Error& e) {
+    ++s.bad_requests;
+    send_error(res, 400, cli::for_a_person(e.what()));
+    return;
+  }
+  const std::string id = (chat ? "chatcmpl-" : "cmpl-") + std::to_string(stream->id());
+  const long long created = unix_time();
+  const char* object = chat ? "chat.completion" : "text_completion";
+  auto gen = std::make_shared<Generation>(s, stream, std::move(stop), last);
+  const auto remember_answer = [&s, chat](const std::string& text, const Generation& g) {
+    if (!chat) return;
+    std::vector<std::int32_t> t = g.tokens;
+    if (!t.empty() && t.back() == kvdecode::Tokenizer::kBos) t.pop_back();
+    // The next turn's template puts a newline token after the answer: one ends it already
+    // when a newline stopped it.
+    if (t.empty() ||
+        std::find(s.newline_ids.begin(), s.newline_ids.end(), t.back()) == s.newline_ids.end())
+      t.push_back(s.newline);
+    s.remember(text, std::move(t));
+  };
+
+  if (!sp.stream) {
+    std::string text;
+    for (bool done = false; !done;) text += gen->next(std::chrono::milliseconds(1000), done);
+    stream->wait();
+    remember_answer(text, *gen);
+    json choice = {{"index", 0}, {"finish_reason", gen->finish_reason()}};
+    if (chat) {
+      choice["message"] = {{"role", "assistant"}, {"content", text}};
+    } else {
+      choice["text"] = text;
+    }
+    res.set_content(dump({{"id", id},
+                          {"object", object},
+                          {"created", created},
+                          {"model", s.model_name},
+                          {"choices", json::array({choice})},
+                          {"usage", usage_json(stream->usage())}}),
+                    "application/json");
+    return;
+  }
+
+  // Streaming: one event per piece of text, then a last event with the finish reason and the
+  // usage, then [DONE]. A client that goes away cancels the request (its blocks are freed).
+  const std::string chunk_object = chat ? "chat.completion.chunk" : "text_completion";
+  auto all_text = std::make_shared<std::string>();
+  auto sent_role = std::make_shared<bool>(false);
+  res.set_header("Cache-Control", "no-cache");
+  res.set_chunked_content_provider(
+      "text/event-stream",
+      [=, &s](std::size_t, httplib::DataSink& sink) {
+        const auto event = [&](const std::string& delta, const json& finish,
+                               const json* usage) -> bool {
+          json choice = {{"index", 0}, {"finish_reason", finish}};
+          if (chat) {
+            json d = {{"content", delta}};
+            if (!*sent_role) d["role"] = "assistant";
+            *sent_role = true;
+            choice["delta"] = d;
+          } else {
+            choice["text"] = delta;
+          }
+          json chunk = {{"id", id},
+                        {"object", chunk_object},
+                        {"created", created},
+                        {"model", s.model_name},
+                        {"choices", json::array({choice})}};
+          if (usage != nullptr) chunk["usage"] = *usage;
+          const std::string line = "data: " + dump(chunk) + "\n\n";
+          return sink.write(line.data(), line.size());
+        };
+        // Every token already there goes into one event: under load, a stream that fell behind
+        // catches up in one write instead of one per token.
+        bool done = false;
+        std::string delta = gen->next(std::chrono::milliseconds(50), done);
+        for (std::size_t n = gen->tokens.size(), k = 0; !done && k < 64; ++k) {
+          delta += gen->next(std::chrono::milliseconds(0), done);
+          if (gen->tokens.size() == n) break;  // nothing more yet
+          n = gen->tokens.size();
+        }
+        if (!delta.empty()) {
+          *all_text += delta;
+          if (!event(delta, nullptr, nullptr)) {
+            stream->cancel();
+            return false;
+          }
+        } else if (!done && !sink.is_writable()) {
+          stream->cancel();
+          return false;
+        }
+        if (!done) return true;
+        stream->wait();
+        remember_answer(*all_text, *gen);
+        const json usage = usage_json(stream->usage());
+        if (!event("", gen->finish_reason(), &usage)) return false;
+        const std::string end = "data: [DONE]\n\n";
+        sink.write(end.data(), end.size());
+        sink.done();
+        return true;
+      },
+      [stream](bool) { stream->cancel(); });  // a no-op once the request has finished
+}
+
+json metrics_json(Server& s) {
+  const kvdecode::EngineMetrics m = s.engine->metrics();
+  const auto lat = [](const kvdecode::LatencyHistogram& h) {
+    return json{{"count", h.count()},
+                {"mean_ms", h.mean_ms()},
+                {"p50_ms", h.percentile_ms(0.50)},
+                {"p90_ms", h.percentile_ms(0.90)},
+                {"p99_ms", h.percentile_ms(0.99)},
+                {"max_ms", h.max_ms()}};
+  };
+  return {{"queued", m.queued},
+          {"running", m.running},
+          {"blocks_total", m.blocks_total},
+          {"blocks_held", m.blocks_held},
+          {"blocks_free", m.blocks_free},
+          {"blocks_cached", m.blocks_cached},
+          {"steps", m.steps},
+          {"requests_submitted", m.submitted},
+          {"requests_finished", m.finished},
+          {"requests_cancelled", m.cancelled},
+          {"requests_failed", m.failed},
+          {"bad_requests", s.bad_requests.load()},
+          {"http_requests", s.http_requests.load()},
+          {"preemptions", m.preemptions},
+          {"prompt_tokens", m.prompt_tokens},
+          {"tokens_reused", m.tokens_reused},
+          {"tokens_prefilled", m.tokens_prefilled},
+          {"tokens_recomputed", m.tokens_recomputed},
+          {"tokens_generated", m.tokens_generated},
+          {"prefix_hit_rate", m.prefix_hit_rate()},
+          {"prefix_block_hits", m.prefix_block_hits},
+          {"prefix_block_misses", m.prefix_block_misses},
+          {"evictions", m.evictions},
+          {"prefix_cache", !s.o.no_prefix_cache},
+          {"ttft", lat(m.ttft)},
+          {"itl", lat(m.itl)}};
+}
+
+/// Parses a POST body as a JSON object, or answers 400 and returns nothing.
+std::optional<json> parse_body(Server& s, const httplib::Request& req, httplib::Response& res) {
+  ++s.http_requests;
+  json body = json::parse(req.body, nullptr, false);
+  if (body.is_discarded()) {
+    ++s.bad_requests;
+    send_error(res, 400, "the body is not valid JSON");
+    return std::nullopt;
+  }
+  if (!body.is_object()) {
+    ++s.bad_requests;
+    send_error(res, 400, "the body must be a JSON object");
+    return std::nullopt;
+  }
+  return body;
+}
+
+template <class F>
+void answer(Server& s, httplib::Response& res, F&& f) {
+  try {
+    f();
+  } catch (const BadRequest& e) {
+    ++s.bad_requests;
+    send_error(res, 400, e.message);
+  } catch (const kvdecode::Error& e) {
+    ++s.bad_requests;
+    send_error(res, 400, cli::for_a_person(e.what()));
+  }
+}
+
+int run(const Options& o) {
+  namespace fs = std::filesystem;
+  const fs::path model_path =
+      o.model.empty() ? fs::path(KVDECODE_DEFAULT_MODEL_DIR) / "kjv_tiny.bin" : fs::path(o.model);
+  kvdecode::Weights<float> weights = kvdecode::load_checkpoint(model_path);
+  const fs::path tok_path =
+      o.tokenizer.empty() ? model_path.parent_path() / "tokenizer.bin" : fs::path(o.tokenizer);
+  Server s(o, model_path.filename().string(),
+           kvdecode::Tokenizer::load(tok_path, weights.config.vocab_size));
+  s.model = std::make_unique<kvdecode::Model<float>>(std::move(weights));
+  const kvdecode::ModelConfig& cfg = s.model->config();
+  s.threads = std::make_unique<kvdecode::ThreadPool>(o.threads);
+  if (o.step_tokens < o.max_running)
+    throw cli::UsageError{"--step-tokens " + std::to_string(o.step_tokens) +
+                          " must be at least --max-running " + std::to_string(o.max_running)};
+  s.engine = std::make_unique<kvdecode::Engine<float>>(
+      *s.model, kvdecode::EngineOptions{.n_blocks = o.blocks,
+                                        .block_size = o.block_size,
+                                        .max_running = o.max_running,
+                                        .step_tokens = o.step_tokens,
+                                        .prefix_cache = !o.no_prefix_cache,
+                                        .thread_pool = s.threads.get()});
+  for (std::int32_t id = 0; id < cfg.vocab_size; ++id) {
+    const std::string_view p = s.tokenizer.decode(0, id);
+    if (p.find('\n') != std::string_view::npos) s.newline_ids.push_back(id);
+    if (p == "\n" && s.newline == 0) s.newline = id;
+  }
+  if (s.newline == 0) throw kvdecode::Error("the tokenizer has no piece \"\\n\" for the chat");
+
+  httplib::Server http;
+  http.new_task_queue = [n = o.http_threads] { return new httplib::ThreadPool(n); };
+  http.set_payload_max_length(o.max_body_bytes);
+  http.set_read_timeout(10, 0);
+  http.set_write_timeout(10, 0);
+  http.Get("/health", [&](const httplib::Request&, httplib::Response& res) {
+    ++s.http_requests;
+    res.set_content(R"({"status":"ok"})", "application/json");
+  });
+  http.Get("/metrics", [&](const httplib::Request&, httplib::Response& res) {
+    ++s.http_requests;
+    res.set_content(dump(metrics_json(s)), "application/json");
+  });
+  http.Post("/v1/completions", [&](const httplib::Request& req, httplib::Response& res) {
+    const auto body = parse_body(s, req, res);
+    if (!body) return;
+    answer(s, res, [&] {
+      const std::string prompt = required_string(*body, "prompt", "the request");
+      const Sampling sp = read_sampling(*body, 16);
+      serve_generation(s, res, s.tokenizer.encode(prompt, true), sp, false);
+    });
+  });
+  http.Post("/v1/chat/completions", [&](const httplib::Request& req, httplib::Response& res) {
+    const auto body = parse_body(s, req, res);
+    if (!body) return;
+    answer(s, res, [&] {
+      if (!body->contains("messages")) throw BadRequest{"the request needs 'messages'"};
+      const Sampling sp = read_sampling(*body, 64);
+      serve_generation(s, res, s.chat_prompt((*body)["messages"]), sp, true);
+    });
+  });
+  http.set_error_handler([&](const httplib::Request&, httplib::Response& res) {
+    if (res.status == 404) send_error(res, 404, "no such endpoint", "not_found_error");
+    if (res.status == 413)
+      send_error(res, 413, "the body exceeds " + std::to_string(o.max_body_bytes) + " bytes");
+  });
+
+  const int port = o.port == 0 ? http.bind_to_any_port(o.host) : o.port;
+  if (port < 0 || (o.port != 0 && !http.bind_to_port(o.host, o.port)))
+    throw kvdecode::Error("cannot listen on " + o.host + ":" + std::to_string(o.port));
+
+  // SIGINT / SIGTERM stop the server; a thread waits for them (no work in a signal handler).
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGINT);
+  sigaddset(&stop_signals, SIGTERM);
+  std::jthread signals([&] {
+    int sig = 0;
+    sigwait(&stop_signals, &sig);
+    http.stop();
+  });
+  std::jthread engine_loop([&](std::stop_token st) { s.engine->run(st); });
+  std::printf("listening on http://%s:%d (model %s, %zu blocks of %zu, prefix cache %s)\n",
+              o.host.c_str(), port, s.model_name.c_str(), o.blocks, o.block_size,
+              o.no_prefix_cache ? "off" : "on");
+  std::fflush(stdout);
+  http.listen_after_bind();
+  pthread_kill(signals.native_handle(), SIGTERM);  // listen ended another way: end the waiter
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // Writes to a client that went away must fail, not kill the process; the stop signals are
+  // taken by the waiting thread only (blocked here, before any thread starts).
+  ::signal(SIGPIPE, SIG_IGN);
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGINT);
+  sigaddset(&stop_signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+  Options o;
+  CLI::App app{"", "server"};
+  cli::configure(app, KVDECODE_VERSION);
+  declare(app, o);
+  return cli::run_main(app, argc, argv, o.verbose, [&] { return run(o); });
+}

@@ -1,0 +1,500 @@
+// Engine<T, W>: continuous batching on a paged KV pool. Requests arrive at any time from any
+// thread; each step decodes every running sequence in one batched pass and spends the rest of a
+// token budget on chunked prefill of waiting ones (vLLM's chunked-prefill scheduling), admitting
+// requests while the pool has blocks and preempting (by recomputation) when it runs out.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <stop_token>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "kvdecode/error.hpp"
+#include "kvdecode/generation/sampler.hpp"
+#include "kvdecode/model/activations.hpp"
+#include "kvdecode/model/model.hpp"
+#include "kvdecode/serving/engine_metrics.hpp"
+#include "kvdecode/serving/request.hpp"
+#include "kvdecode/store/block_pool.hpp"
+#include "kvdecode/store/paged_store.hpp"
+#include "kvdecode/thread_pool.hpp"
+
+namespace kvdecode {
+
+/// What an Engine is built with.
+struct EngineOptions {
+  std::size_t n_blocks = 256;   ///< blocks of the pool, all K/V memory
+  std::size_t block_size = 16;  ///< positions per block
+  /// Sequences admitted at once: the rows of a batched decode step (Activations' max_batch).
+  std::size_t max_running = 16;
+  /// Tokens one step runs: one per decoding sequence, the rest prefill chunks. At least
+  /// max_running; a prompt longer than what is left waits for the next steps.
+  std::size_t step_tokens = 256;
+  bool prefix_cache = true;           ///< keep full blocks for later requests with the same prefix
+  std::size_t max_seq_len = 0;        ///< positions of one sequence; 0 means the model's seq_len
+  ThreadPool* thread_pool = nullptr;  ///< the threads of every step (not owned); nullptr: none
+};
+
+/// A serving engine over one Model and one BlockPool that it owns.
+///
+/// Threads: submit(), metrics() and the RequestStream handles may be used from any thread;
+/// step() and run() from one thread only (the step thread), which alone touches the pool.
+///
+/// A step (step()):
+///  1. takes new submissions and drops cancelled requests (their blocks go back to the pool);
+///  2. plans one token for every decoding sequence, oldest first; when the pool cannot give a
+///     sequence its next block, the newest running sequence is preempted: its blocks are
+///     released (full ones stay in the prefix cache) and it goes back to the front of the queue
+///     with its prompt and every token generated so far, to be recomputed on readmission;
+///  3. spends the rest of step_tokens on the next chunk of sequences still prefilling, then on
+///     admitting waiting requests in arrival order while a slot, the budget and blocks for
+///     their whole remaining prompt are left; an admitted request starts from the longest
+///     cached prefix of its tokens (PagedStore::open), so a conversation's next turn and a
+///     shared system prompt are computed once;
+///  4. runs everything planned as one Model::prefill_batch pass (each weight read once), then
+///     samples the next token of every sequence whose tokens are all computed.
+/// A sequence's sampler lives as long as its request and only advances when it samples, so a
+/// preempted request produces what it would have produced alone.
+///
+/// No allocation in a step that admits nothing: the batch lists are reserved for max_running
+/// and step_tokens, a stream's token list for its max_tokens.
+template <class T, class W = T>
+class Engine {
+ public:
+  using Clock = std::chrono::steady_clock;
+
+  /// Throws Error for options the model or the pool refuse (naming the option).
+  Engine(const Model<T, W>& model, const EngineOptions& options)
+      : model_(model),
+        options_(checked(options, model.config())),
+        pool_(model.config(), options_.n_blocks, options_.block_size,
+              BlockPoolOptions{.max_seq_len = options_.max_seq_len,
+                               .prefix_cache = options_.prefix_cache}),
+        act_(model.config(), {.max_chunk = options_.step_tokens,
+                              .max_batch = options_.max_running,
+                              .thread_pool = options_.thread_pool}),
+        wake_(std::make_shared<detail::WakeSignal>()) {
+    running_.reserve(options_.max_running);
+    batch_.reserve(options_.max_running);
+    stores_.reserve(options_.max_running);
+    lengths_.reserve(options_.max_running);
+    batch_tokens_.reserve(options_.step_tokens);
+  }
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+  /// Requests still queued or running end with kCancelled, so no reader waits forever. The step
+  /// loop must have stopped.
+  ~Engine() {
+    take_incoming();
+    for (auto& s : running_) end(*s, FinishReason::kCancelled);
+    for (auto& s : waiting_) end(*s, FinishReason::kCancelled);
+  }
+
+  const EngineOptions& options() const { return options_; }
+
+  /// Queues a request and returns its handle; thread-safe. Throws Error, changing nothing, for
+  /// an empty prompt, a token or stop token outside the vocabulary, max_tokens 0 or more than
+  /// the context leaves after the prompt, a request whose prompt and tokens need more blocks
+  /// than the whole pool, and sampling options the Sampler refuses.
+  std::shared_ptr<RequestStream> submit(RequestOptions request) {
+    const ModelConfig& cfg = model_.config();
+    const std::size_t p = request.prompt.size();
+    const std::size_t context = pool_.max_seq_len();
+    KVDECODE_CHECK(p > 0, "Engine::submit: the prompt has no tokens");
+    for (std::size_t i = 0; i < p; ++i)
+      KVDECODE_CHECK(request.prompt[i] >= 0 && request.prompt[i] < cfg.vocab_size,
+                     "Engine::submit: prompt token ", request.prompt[i], " at position ", i,
+                     " is outside the vocabulary [0, ", cfg.vocab_size, ")");
+    for (const std::int32_t t : request.stop_tokens)
+      KVDECODE_CHECK(t >= 0 && t < cfg.vocab_size, "Engine::submit: stop token ", t,
+                     " is outside the vocabulary [0, ", cfg.vocab_size, ")");
+    KVDECODE_CHECK(request.max_tokens > 0, "Engine::submit: max_tokens is 0, expected at least 1");
+    KVDECODE_CHECK(p < context && request.max_tokens <= context - p, "Engine::submit: ", p,
+                   " prompt tokens + max_tokens ", request.max_tokens, " exceed the context of ",
+                   context, " positions");
+    // The last generated token is never fed back: p + max_tokens - 1 positions at most.
+    const std::size_t bs = pool_.block_size();
+    const std::size_t blocks = (p + request.max_tokens - 1 + bs - 1) / bs;
+    KVDECODE_CHECK(blocks <= pool_.n_blocks(), "Engine::submit: ", p, " prompt tokens + ",
+                   request.max_tokens, " generated need ", blocks, " blocks of ", bs,
+                   " positions, but the whole pool has ", pool_.n_blocks());
+    auto seq = std::make_unique<Sequence>(cfg.vocab_size, request.sampling);  // checks sampling
+    seq->tokens.reserve(p + request.max_tokens);
+    seq->tokens.assign(request.prompt.begin(), request.prompt.end());
+    seq->prompt_size = p;
+    seq->max_tokens = request.max_tokens;
+    seq->stop_tokens = std::move(request.stop_tokens);
+    seq->on_token = std::move(request.on_token);
+    seq->usage.prompt_tokens = p;
+    seq->submitted = Clock::now();
+    std::shared_ptr<RequestStream> stream;
+    {
+      std::lock_guard lock(incoming_mutex_);
+      stream = std::make_shared<RequestStream>(++next_id_, request.max_tokens, wake_);
+      seq->stream = stream;
+      incoming_.push_back(std::move(seq));
+      ++submitted_;
+    }
+    wake_->notify();
+    return stream;
+  }
+
+  /// One scheduling step (see the class comment). Returns whether requests remain (queued or
+  /// running). Step thread only.
+  bool step() {
+    take_incoming();
+    drop_cancelled();
+    plan_batch();
+    if (!batch_.empty()) run_batch();
+    ++m_.steps;
+    publish();
+    return !running_.empty() || !waiting_.empty();
+  }
+
+  /// Steps while there is work, sleeps while there is none (a submission or a cancellation
+  /// wakes it), until `stop` is requested. Step thread only.
+  void run(std::stop_token stop) {
+    while (!stop.stop_requested()) {
+      if (step()) continue;
+      std::unique_lock lock(wake_->mutex);
+      wake_->cv.wait(lock, stop, [&] { return wake_->pending; });
+      wake_->pending = false;
+    }
+  }
+
+  /// A snapshot of the counters and of the state after the latest step; thread-safe.
+  EngineMetrics metrics() const {
+    EngineMetrics m;
+    {
+      std::lock_guard lock(published_mutex_);
+      m = published_;
+    }
+    std::lock_guard lock(incoming_mutex_);
+    m.submitted = submitted_;
+    m.queued += incoming_.size();
+    return m;
+  }
+
+  /// The pool; step thread only (tests inspect its blocks between steps).
+  const BlockPool<T>& pool() const { return pool_; }
+
+ private:
+  struct Sequence {
+    Sequence(std::int64_t vocab_size, const SamplerOptions& sampling)
+        : sampler(vocab_size, sampling) {}
+    std::shared_ptr<RequestStream> stream;
+    std::vector<std::int32_t> tokens;  // [≤ prompt + max_tokens] the prompt, then generated
+    std::size_t prompt_size = 0;
+    std::size_t max_tokens = 0;
+    std::vector<std::int32_t> stop_tokens;
+    std::function<void(std::int32_t)> on_token;
+    Sampler sampler;
+    PagedStore<T> store;  // empty while queued
+    // tokens.size() at the latest admission: rows below it are prompt (or recomputed) rows.
+    std::size_t target = 0;
+    bool admitted_before = false;
+    bool planned = false;  // in the current step's batch
+    bool done = false;
+    RequestUsage usage;
+    Clock::time_point submitted, last_token;
+    std::size_t generated() const { return tokens.size() - prompt_size; }
+  };
+
+  static EngineOptions checked(EngineOptions o, const ModelConfig& cfg) {
+    if (o.max_seq_len == 0) o.max_seq_len = static_cast<std::size_t>(cfg.seq_len);
+    KVDECODE_CHECK(o.max_seq_len <= static_cast<std::size_t>(cfg.seq_len), "Engine: max_seq_len ",
+                   o.max_seq_len, " exceeds the model's seq_len ", cfg.seq_len);
+    KVDECODE_CHECK(o.max_running >= 1, "Engine: max_running must be at least 1");
+    KVDECODE_CHECK(o.step_tokens >= o.max_running, "Engine: step_tokens ", o.step_tokens,
+                   " must be at least max_running ", o.max_running,
+                   " (one token per decoding sequence)");
+    return o;
+  }
+
+  static double ms_between(Clock::time_point a, Clock::time_point b) {
+    return std::chrono::duration<double, std::milli>(b - a).count();
+  }
+
+  // ---------------------------------------------------------------------------------------------
+  // Queue and cancellation.
+
+  void take_incoming() {
+    std::lock_guard lock(incoming_mutex_);
+    for (auto& s : incoming_) waiting_.push_back(std::move(s));
+    incoming_.clear();
+  }
+
+  void drop_cancelled() {
+    for (auto& s : running_)
+      if (s->stream->cancel_requested()) end(*s, FinishReason::kCancelled);
+    for (auto& s : waiting_)
+      if (s->stream->cancel_requested()) end(*s, FinishReason::kCancelled);
+    std::erase_if(running_, [](const auto& s) { return s->done; });
+    std::erase_if(waiting_, [](const auto& s) { return s->done; });
+  }
+
+  /// Finishes a request: its blocks back to the pool (full ones stay cached), its stream told.
+  void end(Sequence& s, FinishReason reason, std::string error = {}) {
+    s.store.release();
+    s.done = true;
+    switch (reason) {
+      case FinishReason::kCancelled:
+        ++m_.cancelled;
+        break;
+      case FinishReason::kError:
+        ++m_.failed;
+        break;
+      default:
+        ++m_.finished;
+    }
+    s.stream->finish(reason, s.usage, std::move(error));
+  }
+
+  // ---------------------------------------------------------------------------------------------
+  // Planning a step.
+
+  /// Blocks s's store takes to append n tokens: the new ones, plus a copy of a shared or cached
+  /// partly filled last block (PagedStore::begin_append's rule).
+  std::size_t blocks_needed(const Sequence& s, std::size_t n) const {
+    const std::size_t bs = pool_.block_size();
+    const std::size_t size = s.store.size();
+    const auto table = s.store.block_table();
+    const std::size_t fresh = (size + n + bs - 1) / bs - table.size();
+    return fresh + (shared_tail(s) ? 1 : 0);
+  }
+  bool shared_tail(const Sequence& s) const {
+    const auto table = s.store.block_table();
+    return s.store.size() % pool_.block_size() != 0 &&
+           (pool_.ref_count(table.back()) > 1 || pool_.is_cached(table.back()));
+  }
+  /// The most tokens s can append with `blocks` blocks.
+  std::size_t rows_fitting(const Sequence& s, std::size_t blocks) const {
+    const std::size_t bs = pool_.block_size();
+    const std::size_t partial = s.store.size() % bs;
+    if (shared_tail(s)) {
+      if (blocks == 0) return 0;
+      --blocks;
+    }
+    const std::size_t room = s.store.block_table().size() * bs - s.store.size();
+    return (partial != 0 ? room : 0) + blocks * bs;
+  }
+  /// Blocks the pool can still give this step, after those planned.
+  std::size_t available() const { return pool_.n_available() - planned_blocks_; }
+
+  void plan(Sequence& s, std::size_t n) {
+    planned_blocks_ += blocks_needed(s, n);
+    s.planned = true;
+    batch_.push_back(&s);
+    stores_.push_back(&s.store);
+    lengths_.push_back(n);
+    const auto first = s.tokens.begin() + static_cast<std::ptrdiff_t>(s.store.size());
+    batch_tokens_.insert(batch_tokens_.end(), first, first + static_cast<std::ptrdiff_t>(n));
+  }
+
+  /// Preemption by recomputation: running_[i] releases its blocks and goes to the front of the
+  /// queue, keeping its tokens and sampler.
+  void preempt(std::size_t i) {
+    Sequence& s = *running_[i];
+    s.store.release();
+    ++s.usage.preemptions;
+    ++m_.preemptions;
+    waiting_.push_front(std::move(running_[i]));
+    running_.erase(running_.begin() + static_cast<std::ptrdiff_t>(i));
+  }
+
+  void plan_batch() {
+    batch_.clear();
+    stores_.clear();
+    lengths_.clear();
+    batch_tokens_.clear();
+    planned_blocks_ = 0;
+    for (auto& s : running_) s->planned = false;
+    std::size_t budget = options_.step_tokens;
+    // 1. One token for each decoding sequence, oldest first; the newest give way.
+    for (std::size_t i = 0; i < running_.size(); ++i) {
+      Sequence& s = *running_[i];
+      if (s.tokens.size() - s.store.size() != 1 || s.target == s.tokens.size()) continue;
+      const std::size_t need = blocks_needed(s, 1);
+      while (need > available() && running_.size() - 1 > i) preempt(running_.size() - 1);
+      if (need > available()) {
+        preempt(i);  // the newest itself: it waits for blocks
+        break;
+      }
+      plan(s, 1);
+      --budget;
+    }
+    // 2. The next chunk of each sequence still prefilling, as far as budget and blocks go.
+    for (auto& p : running_) {
+      Sequence& s = *p;
+      if (s.planned || budget == 0) continue;
+      const std::size_t n =
+          std::min({s.tokens.size() - s.store.size(), budget, rows_fitting(s, available())});
+      if (n == 0) continue;
+      plan(s, n);
+      budget -= n;
+    }
+    // 3. Admission in arrival order (preempted requests first): a slot, budget and blocks for
+    // the request's tokens as if nothing were cached (one more for a copy-on-write of a fully
+    // cached prompt's last block) — or an idle pool, which any accepted request fits.
+    const std::size_t bs = pool_.block_size();
+    while (!waiting_.empty() && running_.size() < options_.max_running && budget > 0) {
+      Sequence& s = *waiting_.front();
+      const std::size_t worst = (s.tokens.size() + bs - 1) / bs + 1;
+      if (worst > available() && !running_.empty()) break;
+      admit(s);
+      running_.push_back(std::move(waiting_.front()));
+      waiting_.pop_front();
+      const std::size_t n =
+          std::min({s.tokens.size() - s.store.size(), budget, rows_fitting(s, available())});
+      if (n == 0) continue;
+      plan(s, n);
+      budget -= n;
+    }
+    // Every running sequence prefilling and none with blocks for a row: the newest gives way so
+    // the others can go on.
+    if (batch_.empty() && running_.size() > 1) preempt(running_.size() - 1);
+  }
+
+  void admit(Sequence& s) {
+    const Clock::time_point now = Clock::now();
+    s.store = PagedStore<T>::open(pool_, s.tokens);
+    s.target = s.tokens.size();
+    if (!s.admitted_before) {
+      s.admitted_before = true;
+      s.usage.cached_tokens = s.store.size();
+      s.usage.queue_ms = ms_between(s.submitted, now);
+      m_.prompt_tokens += s.prompt_size;
+      m_.tokens_reused += s.store.size();
+    }
+    if (s.store.size() / pool_.block_size() < s.tokens.size() / pool_.block_size())
+      on_prefix_miss(s);
+  }
+
+  /// The seam for a lower prefix tier (a persistent store of blocks, serving/prefix_tier.hpp):
+  /// called at admission when the pool's cache holds fewer full blocks of s.tokens than it has.
+  /// A tier would fill the blocks after s.store.size() from its copy and extend the sequence
+  /// before prefill. Its other half would be offered the blocks the pool evicts (a cached
+  /// block BlockPool::acquire takes for new data); the pool has no eviction callback for it yet.
+  /// No tier is attached: nothing happens.
+  void on_prefix_miss(Sequence&) {}
+
+  // ---------------------------------------------------------------------------------------------
+  // Running a step.
+
+  void run_batch() {
+    std::span<const T> logits;
+    try {
+      logits = model_.prefill_batch(std::span<const std::int32_t>(batch_tokens_),
+                                    std::span<const std::size_t>(lengths_), stores_, act_);
+    } catch (const Error& e) {
+      // The pass left every store as it was; its requests cannot go on.
+      for (Sequence* s : batch_) end(*s, FinishReason::kError, e.what());
+      std::erase_if(running_, [](const auto& s) { return s->done; });
+      return;
+    }
+    const auto vocab = static_cast<std::size_t>(model_.config().vocab_size);
+    for (std::size_t b = 0; b < batch_.size(); ++b) {
+      Sequence& s = *batch_[b];
+      const std::size_t end_pos = s.store.size();
+      const std::size_t first = end_pos - lengths_[b];
+      const std::size_t prompt_rows = std::min(end_pos, s.target) - std::min(first, s.target);
+      if (s.usage.preemptions == 0) {
+        s.usage.prefilled_tokens += prompt_rows;
+        m_.tokens_prefilled += prompt_rows;
+      } else {
+        s.usage.recomputed_tokens += prompt_rows;
+        m_.tokens_recomputed += prompt_rows;
+      }
+      if (end_pos == s.tokens.size()) sample(s, logits.subspan(b * vocab, vocab));
+    }
+    std::erase_if(running_, [](const auto& s) { return s->done; });
+  }
+
+  void sample(Sequence& s, std::span<const T> logits) {
+    // The repetition penalty sees the latest repeat_last_n tokens, as generate() keeps them.
+    const SamplerOptions& so = s.sampler.options();
+    const std::size_t last_n =
+        so.repeat_penalty != 1.0 ? std::min(so.repeat_last_n, pool_.max_seq_len()) : 0;
+    const std::span<const std::int32_t> all(s.tokens);
+    const std::int32_t token = s.sampler.sample(logits, all.last(std::min(last_n, all.size())));
+    s.tokens.push_back(token);  // within the reservation
+    ++s.usage.generated_tokens;
+    ++m_.tokens_generated;
+    const Clock::time_point now = Clock::now();
+    if (s.generated() == 1) {
+      s.usage.ttft_ms = ms_between(s.submitted, now);
+      m_.ttft.add(s.usage.ttft_ms);
+    } else {
+      m_.itl.add(ms_between(s.last_token, now));
+    }
+    s.last_token = now;
+    if (s.on_token) {
+      try {
+        s.on_token(token);
+      } catch (const std::exception& e) {
+        end(s, FinishReason::kError, std::string("on_token threw: ") + e.what());
+        return;
+      }
+    }
+    s.stream->push(token, s.usage);
+    if (std::find(s.stop_tokens.begin(), s.stop_tokens.end(), token) != s.stop_tokens.end()) {
+      end(s, FinishReason::kStopToken);
+    } else if (s.generated() == s.max_tokens) {
+      end(s, FinishReason::kMaxTokens);
+    } else if (s.store.size() == pool_.max_seq_len()) {
+      end(s, FinishReason::kContextFull);
+    }
+  }
+
+  void publish() {
+    m_.queued = waiting_.size();
+    m_.running = running_.size();
+    m_.blocks_total = pool_.n_blocks();
+    m_.blocks_held = pool_.n_held();
+    m_.blocks_free = pool_.n_free();
+    m_.blocks_cached = pool_.n_evictable();
+    m_.prefix_block_hits = pool_.stats().hits;
+    m_.prefix_block_misses = pool_.stats().misses;
+    m_.evictions = pool_.stats().evictions;
+    std::lock_guard lock(published_mutex_);
+    published_ = m_;
+  }
+
+  const Model<T, W>& model_;
+  const EngineOptions options_;
+  BlockPool<T> pool_;
+  Activations<T> act_;
+  std::shared_ptr<detail::WakeSignal> wake_;
+
+  // Submissions, shared with other threads.
+  mutable std::mutex incoming_mutex_;
+  std::vector<std::unique_ptr<Sequence>> incoming_;
+  std::uint64_t next_id_ = 0;
+  std::uint64_t submitted_ = 0;
+
+  // The step thread's own state.
+  std::deque<std::unique_ptr<Sequence>> waiting_;   // queued, arrival order, preempted first
+  std::vector<std::unique_ptr<Sequence>> running_;  // [≤ max_running] admission order
+  std::vector<Sequence*> batch_;                    // [≤ max_running] planned this step
+  std::vector<PagedStore<T>*> stores_;              // [≤ max_running] their stores
+  std::vector<std::size_t> lengths_;                // [≤ max_running] tokens of each this step
+  std::vector<std::int32_t> batch_tokens_;          // [≤ step_tokens] concatenated
+  std::size_t planned_blocks_ = 0;
+  EngineMetrics m_;
+
+  mutable std::mutex published_mutex_;
+  EngineMetrics published_;
+};
+
+}  // namespace kvdecode

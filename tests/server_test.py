@@ -1,0 +1,272 @@
+#!/usr/bin/env python3
+"""The HTTP server on the loopback, driven by a client written with the standard library only
+and by curl: health, completions (whole and streamed), a second chat turn that prefills only
+what is new, concurrent clients, a client that disconnects mid-stream (its blocks are freed),
+malformed requests. The server picks a free port (--port 0) and prints it; every wait is bounded.
+
+usage: server_test.py SERVER_BINARY
+"""
+import http.client
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+import unittest
+
+SERVER = None
+BLOCK = 16
+MAX_BODY = 65536
+TIMEOUT = 30  # seconds, for any one HTTP exchange
+
+
+class Server:
+    def __init__(self, binary):
+        self.proc = subprocess.Popen(
+            [binary, "--port", "0", "--blocks", "256", "--block-size", str(BLOCK),
+             "--max-body-bytes", str(MAX_BODY), "--threads", "1"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        line = self.proc.stdout.readline()  # "listening on http://127.0.0.1:PORT (...)"
+        if not line.startswith("listening on http://127.0.0.1:"):
+            self.proc.kill()
+            raise RuntimeError("server did not start: %r %r" % (line, self.proc.stderr.read()))
+        self.port = int(line.split("127.0.0.1:")[1].split()[0])
+
+    def stop(self):
+        self.proc.terminate()
+        try:
+            return self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return None
+
+
+def request(method, path, body=None, raw=None):
+    """(status, parsed JSON or text) of one exchange."""
+    conn = http.client.HTTPConnection("127.0.0.1", SERVER.port, timeout=TIMEOUT)
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    text = resp.read().decode()
+    conn.close()
+    try:
+        return resp.status, json.loads(text)
+    except ValueError:
+        return resp.status, text
+
+
+def post(path, body):
+    return request("POST", path, body)
+
+
+def stream(path, body):
+    """The parsed events of a streamed completion, up to [DONE] (which must come)."""
+    conn = http.client.HTTPConnection("127.0.0.1", SERVER.port, timeout=TIMEOUT)
+    conn.request("POST", path, body=json.dumps(dict(body, stream=True)),
+                 headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200, resp.status
+    assert resp.getheader("Content-Type").startswith("text/event-stream")
+    events, done = [], False
+    for raw in resp:
+        line = raw.decode().rstrip("\n")
+        if not line:
+            continue
+        assert line.startswith("data: "), line
+        if line == "data: [DONE]":
+            done = True
+            break
+        events.append(json.loads(line[len("data: "):]))
+    conn.close()
+    assert done, "the stream ended without [DONE]"
+    return events
+
+
+def metrics():
+    status, m = request("GET", "/metrics")
+    assert status == 200
+    return m
+
+
+def wait_until(predicate, seconds=15):
+    end = time.time() + seconds
+    while time.time() < end:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+class ServerTest(unittest.TestCase):
+    def test_health(self):
+        self.assertEqual(request("GET", "/health"), (200, {"status": "ok"}))
+
+    def test_completion_then_same_prompt_reuses_its_full_blocks(self):
+        body = {"prompt": "And it came to pass after these things, that God did tempt Abraham",
+                "max_tokens": 12, "temperature": 0}
+        status, first = post("/v1/completions", body)
+        self.assertEqual(status, 200, first)
+        self.assertEqual(first["object"], "text_completion")
+        choice = first["choices"][0]
+        self.assertTrue(choice["text"])
+        self.assertIn(choice["finish_reason"], ("length", "stop"))
+        u = first["usage"]
+        p = u["prompt_tokens"]
+        self.assertEqual(u["total_tokens"], p + u["completion_tokens"])
+        status, second = post("/v1/completions", body)
+        self.assertEqual(second["choices"][0]["text"], choice["text"])  # greedy, same prompt
+        # Every full block of the prompt is cached, at most p - 1 tokens (the last is computed).
+        self.assertEqual(second["usage"]["prompt_tokens_details"]["cached_tokens"],
+                         min(BLOCK * (p // BLOCK), p - 1))
+
+    def test_streaming_gives_the_same_text_as_a_whole_answer(self):
+        body = {"prompt": "In the beginning", "max_tokens": 20, "temperature": 0}
+        _, whole = post("/v1/completions", body)
+        events = stream("/v1/completions", body)
+        text = "".join(e["choices"][0]["text"] for e in events)
+        self.assertEqual(text, whole["choices"][0]["text"])
+        self.assertTrue(all(e["choices"][0]["finish_reason"] is None for e in events[:-1]))
+        self.assertEqual(events[-1]["choices"][0]["finish_reason"],
+                         whole["choices"][0]["finish_reason"])
+        self.assertEqual(events[-1]["usage"]["completion_tokens"],
+                         whole["usage"]["completion_tokens"])
+        self.assertGreaterEqual(len(events), 2)
+
+    def test_second_chat_turn_prefills_only_what_is_new(self):
+        messages = [{"role": "system", "content": "Thus saith the LORD of hosts, the God of Israel"},
+                    {"role": "user", "content": "And Moses went up unto God"}]
+        before = metrics()
+        status, t1 = post("/v1/chat/completions",
+                          {"messages": messages, "temperature": 0, "max_tokens": 40})
+        self.assertEqual(status, 200, t1)
+        self.assertEqual(t1["object"], "chat.completion")
+        answer = t1["choices"][0]["message"]
+        self.assertEqual(answer["role"], "assistant")
+        p1, g1 = t1["usage"]["prompt_tokens"], t1["usage"]["completion_tokens"]
+        events = stream("/v1/chat/completions", {
+            "messages": messages + [answer, {"role": "user", "content": "and the LORD called"}],
+            "temperature": 0, "max_tokens": 8})
+        self.assertEqual(events[0]["choices"][0]["delta"]["role"], "assistant")
+        u2 = events[-1]["usage"]
+        # Turn 1 fed its prompt and all but its last generated token: those positions' full
+        # blocks are cached, and turn 2 computes only the rest.
+        fed = p1 + g1 - 1
+        cached = BLOCK * (fed // BLOCK)
+        self.assertGreater(u2["prompt_tokens"], p1 + g1)
+        self.assertEqual(u2["prompt_tokens_details"]["cached_tokens"], cached)
+        self.assertEqual(u2["prefilled_tokens"], u2["prompt_tokens"] - cached)
+        self.assertLess(u2["prefilled_tokens"], u2["prompt_tokens"] - p1 - g1 + BLOCK + 1)
+        after = metrics()
+        self.assertEqual(after["tokens_reused"] - before["tokens_reused"], cached)
+
+    def test_concurrent_clients(self):
+        n = 8
+        results = [None] * n
+
+        def client(i):
+            try:
+                results[i] = stream("/v1/completions", {
+                    "prompt": "And the LORD spake unto Moses, saying, " + "Speak " * (i + 1),
+                    "max_tokens": 24, "temperature": 0.8, "seed": i + 1})
+            except Exception as e:  # reported below
+                results[i] = e
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(TIMEOUT)
+        alone_prompt_tokens = []
+        for i in range(n):
+            self.assertIsInstance(results[i], list, results[i])
+            last = results[i][-1]
+            self.assertIsNotNone(last["choices"][0]["finish_reason"])
+            alone_prompt_tokens.append(last["usage"]["prompt_tokens"])
+        # Each stream belongs to its own request: prompts of 1 .. 8 extra words.
+        self.assertEqual(alone_prompt_tokens, sorted(alone_prompt_tokens))
+        self.assertEqual(len(set(alone_prompt_tokens)), n)
+        self.assertTrue(wait_until(lambda: metrics()["running"] == 0))
+
+    def test_disconnect_mid_stream_frees_the_blocks(self):
+        cancelled = metrics()["requests_cancelled"]
+        sock = socket.create_connection(("127.0.0.1", SERVER.port), timeout=TIMEOUT)
+        body = json.dumps({"prompt": "And it came to pass", "max_tokens": 450, "stream": True,
+                           "temperature": 1.0}).encode()
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: " + str(len(body)).encode() +
+                     b"\r\n\r\n" + body)
+        got = b""
+        while got.count(b"data: ") < 3:
+            chunk = sock.recv(4096)
+            self.assertTrue(chunk, "the server closed the stream early")
+            got += chunk
+        self.assertTrue(wait_until(lambda: metrics()["blocks_held"] > 0, 5))
+        sock.close()
+        self.assertTrue(wait_until(lambda: metrics()["requests_cancelled"] == cancelled + 1),
+                        metrics())
+        m = metrics()
+        self.assertEqual(m["running"], 0)
+        self.assertEqual(m["blocks_held"], 0)
+
+    def test_malformed_requests_get_400_with_a_message(self):
+        cases = [
+            (b'{"prompt": ', "the body is not valid JSON"),
+            (b'[1, 2]', "the body must be a JSON object"),
+            (b'{"max_tokens": 4}', "the request needs a string 'prompt'"),
+            (b'{"prompt": "a", "max_tokens": "many"}', "'max_tokens' must be a number"),
+            (b'{"prompt": "a", "max_tokens": 0}', "'max_tokens' must be in [1, "),
+            (b'{"prompt": "a", "temperature": -1}', "'temperature' must be in [0, 100]"),
+            (b'{"prompt": "a", "stream": "yes"}', "'stream' must be true or false"),
+            (b'{"prompt": "a", "stop": [1]}', "'stop' must be a string or up to 4 strings"),
+            (b'{"prompt": "a", "n": 2}', "only 'n': 1 is supported"),
+            (b'{"prompt": "a", "max_tokens": 600}', "exceed the context of 512 positions"),
+        ]
+        for raw, message in cases:
+            status, body = request("POST", "/v1/completions", raw=raw)
+            self.assertEqual(status, 400, raw)
+            self.assertIn(message, body["error"]["message"], raw)
+        chat_cases = [
+            (b'{"messages": []}', "'messages' must be a non-empty array"),
+            (b'{"messages": [{"role": "judge", "content": "x"}]}', "must be system, user"),
+            (b'{"messages": [{"role": "user"}]}', "a message needs a string 'content'"),
+            (b'{}', "the request needs 'messages'"),
+        ]
+        for raw, message in chat_cases:
+            status, body = request("POST", "/v1/chat/completions", raw=raw)
+            self.assertEqual(status, 400, raw)
+            self.assertIn(message, body["error"]["message"], raw)
+        status, body = request("POST", "/v1/completions",
+                               raw=json.dumps({"prompt": "a" * MAX_BODY}).encode())
+        self.assertEqual(status, 413)
+        status, body = request("GET", "/v2/nothing")
+        self.assertEqual(status, 404)
+        self.assertEqual(request("GET", "/health")[0], 200)
+
+    def test_curl(self):
+        url = "http://127.0.0.1:%d" % SERVER.port
+        out = subprocess.run(
+            ["curl", "-sS", "-N", "--max-time", "30", url + "/v1/completions", "-d",
+             '{"prompt": "And God said", "max_tokens": 6, "stream": true, "temperature": 0}'],
+            capture_output=True, text=True, timeout=40)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        lines = [l for l in out.stdout.split("\n") if l]
+        self.assertEqual(lines[-1], "data: [DONE]")
+        self.assertEqual(json.loads(lines[-2][6:])["usage"]["completion_tokens"], 6)
+        out = subprocess.run(
+            ["curl", "-sS", "--max-time", "30", "-o", "/dev/null", "-w", "%{http_code}",
+             url + "/v1/chat/completions", "-d", "{not json"],
+            capture_output=True, text=True, timeout=40)
+        self.assertEqual(out.stdout, "400")
+
+
+if __name__ == "__main__":
+    SERVER = Server(sys.argv.pop(1))
+    try:
+        result = unittest.main(exit=False, verbosity=2).result
+    finally:
+        code = SERVER.stop()
+    ok = result.wasSuccessful() and code == 0
+    if code != 0:
+        print("server exit code after SIGTERM: %r" % code, file=sys.stderr)
+    sys.exit(0 if ok else 1)

@@ -1,0 +1,260 @@
+#!/usr/bin/env python3
+"""Load benchmark of the HTTP server on the loopback (standard library only).
+
+N concurrent clients each send R streamed /v1/completions requests one after another: a shared
+system prompt of about 256 tokens, then a question of its own. Three server set-ups, each
+started fresh on a free port: batched with the prefix cache, batched without it, and one request
+at a time (--max-running 1, prefix cache on). Before the clients start, one request warms the
+server up (and, with the cache, computes the system prompt once). Client-side times: TTFT is
+request sent -> first streamed text; "event gap" is the time between streamed events (the server
+puts every token already sampled into one event, so under load an event may hold several);
+throughput is generated tokens / wall time of the whole run. The engine's own TTFT (submission
+-> first token) and inter-token latency (per token) come from /metrics. Prints Markdown tables.
+
+usage: tools/load_bench.py build/release/examples/server [--clients 16] [--requests 2] [--repeat 5]
+"""
+import argparse
+import http.client
+import json
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+SYSTEM_WORDS = (
+    "And it came to pass in those days, that there went out a decree from Caesar Augustus, that "
+    "all the world should be taxed. And all went to be taxed, every one into his own city. And "
+    "Joseph also went up from Galilee, out of the city of Nazareth, into Judaea, unto the city of "
+    "David, which is called Bethlehem; because he was of the house and lineage of David: To be "
+    "taxed with Mary his espoused wife, being great with child. And so it was, that, while they "
+    "were there, the days were accomplished that she should be delivered. And she brought forth "
+    "her firstborn son, and wrapped him in swaddling clothes, and laid him in a manger; because "
+    "there was no room for them in the inn. And there were in the same country shepherds abiding "
+    "in the field, keeping watch over their flock by night. And, lo, the angel of the Lord came "
+    "upon them, and the glory of the Lord shone round about them: and they were sore afraid. And "
+    "the angel said unto them, Fear not: for, behold, I bring you good tidings of great joy, "
+    "which shall be to all people. For unto you is born this day in the city of David a Saviour, "
+    "which is Christ the Lord. And this shall be a sign unto you; Ye shall find the babe wrapped "
+    "in swaddling clothes, lying in a manger. And suddenly there was with the angel a multitude "
+    "of the heavenly host praising God, and saying, Glory to God in the highest, and on earth "
+    "peace, good will toward men. And it came to pass, as the angels were gone away from them "
+    "into heaven, the shepherds said one to another, Let us now go even unto Bethlehem, and see "
+    "this thing which is come to pass, which the Lord hath made known unto us.").split()
+
+QUESTIONS = ["And the LORD said unto Moses", "Then answered Peter and said", "And David arose",
+             "Now the serpent was more subtil", "And Jesus went up into a mountain",
+             "Hear, O Israel", "In the beginning was the Word", "And Abraham rose up early"]
+
+
+class Server:
+    def __init__(self, binary, args):
+        self.proc = subprocess.Popen([binary, "--port", "0"] + args, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)
+        line = self.proc.stdout.readline()
+        if "127.0.0.1:" not in line:
+            self.proc.kill()
+            sys.exit("server did not start: %r %r" % (line, self.proc.stderr.read()))
+        self.port = int(line.split("127.0.0.1:")[1].split()[0])
+
+    def stop(self):
+        self.proc.terminate()
+        self.proc.wait(timeout=10)
+
+
+def post(port, body, timeout):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    conn.request("POST", "/v1/completions", body=json.dumps(body))
+    resp = conn.getresponse()
+    data = json.loads(resp.read())
+    conn.close()
+    return data
+
+
+def get(port, path, timeout):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    conn.request("GET", path)
+    data = json.loads(conn.getresponse().read())
+    conn.close()
+    return data
+
+
+def streamed(port, body, timeout):
+    """(ttft_s, [inter-token gaps in s], completion_tokens, prompt_tokens, cached_tokens)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    t0 = time.perf_counter()
+    conn.request("POST", "/v1/completions", body=json.dumps(dict(body, stream=True)))
+    resp = conn.getresponse()
+    times, usage = [], None
+    for raw in resp:
+        line = raw.decode().strip()
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            if line == "data: [DONE]":
+                break
+            continue
+        event = json.loads(line[6:])
+        if event["choices"][0]["text"]:
+            times.append(time.perf_counter())
+        if "usage" in event:
+            usage = event["usage"]
+    conn.close()
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    return (times[0] - t0, gaps, usage["completion_tokens"], usage["prompt_tokens"],
+            usage["prompt_tokens_details"]["cached_tokens"])
+
+
+def system_prompt(port, target, timeout):
+    """The longest prefix of SYSTEM_WORDS whose prompt (BOS included) has <= target tokens."""
+    lo, hi = 1, len(SYSTEM_WORDS)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        n = post(port, {"prompt": " ".join(SYSTEM_WORDS[:mid]), "max_tokens": 1},
+                 timeout)["usage"]["prompt_tokens"]
+        lo, hi = (mid, hi) if n <= target else (lo, mid - 1)
+    text = " ".join(SYSTEM_WORDS[:lo])
+    return text, post(port, {"prompt": text, "max_tokens": 1}, timeout)["usage"]["prompt_tokens"]
+
+
+def pct(values, q):
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def run(binary, name, args, opts, system):
+    server = Server(binary, args)
+    try:
+        post(server.port, {"prompt": system + "\nAmen.", "max_tokens": 4, "temperature": 0},
+             opts.timeout)  # warm-up
+        warm = get(server.port, "/metrics", opts.timeout)
+        results, errors = [], []
+        lock = threading.Lock()
+
+        def client(c):
+            for r in range(opts.requests):
+                q = QUESTIONS[(c + r) % len(QUESTIONS)] + " (%d.%d)" % (c, r)
+                try:
+                    res = streamed(server.port, {"prompt": system + "\n" + q,
+                                                 "max_tokens": opts.max_tokens,
+                                                 "temperature": 0.8, "seed": 1 + c * 100 + r,
+                                                 "stop": []}, opts.timeout)
+                    with lock:
+                        results.append(res)
+                except Exception as e:  # counted and reported
+                    with lock:
+                        errors.append(repr(e))
+
+        threads = [threading.Thread(target=client, args=(c,)) for c in range(opts.clients)]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.perf_counter() - t0
+        m = get(server.port, "/metrics", opts.timeout)
+    finally:
+        server.stop()
+    ttft = [r[0] * 1e3 for r in results]
+    itl = [g * 1e3 for r in results for g in r[1]]
+    tokens = sum(r[2] for r in results)
+    return {
+        "name": name, "requests": len(results), "errors": errors, "wall_s": wall,
+        "tokens": tokens, "tok_s": tokens / wall,
+        "ttft_p50": pct(ttft, 0.5), "ttft_p90": pct(ttft, 0.9), "ttft_p99": pct(ttft, 0.99),
+        "itl_p50": pct(itl, 0.5), "itl_p90": pct(itl, 0.9), "itl_p99": pct(itl, 0.99),
+        "prompt_tokens": statistics.mean(r[3] for r in results),
+        "cached": statistics.mean(r[4] for r in results),
+        "prefilled": m["tokens_prefilled"] - warm["tokens_prefilled"],
+        "preemptions": m["preemptions"],
+        "server_itl_p50": m["itl"]["p50_ms"], "server_itl_p99": m["itl"]["p99_ms"],
+        "server_ttft_p50": m["ttft"]["p50_ms"],
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("server")
+    ap.add_argument("--clients", type=int, default=16)
+    ap.add_argument("--requests", type=int, default=2, help="requests per client, in sequence")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--system-tokens", type=int, default=256)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--timeout", type=float, default=300, help="seconds per HTTP exchange")
+    ap.add_argument("--repeat", type=int, default=1, help="runs of the three set-ups")
+    opts = ap.parse_args()
+    common = ["--threads", str(opts.threads), "--blocks", "2048", "--max-running",
+              str(max(16, opts.clients)), "--step-tokens", "256",
+              "--http-threads", str(opts.clients + 8)]
+    probe = Server(opts.server, common)
+    try:
+        system, n_system = system_prompt(probe.port, opts.system_tokens, opts.timeout)
+    finally:
+        probe.stop()
+    setups = [("batched, prefix cache", common),
+              ("batched, no prefix cache", common + ["--no-prefix-cache"]),
+              ("one at a time, prefix cache", common + ["--max-running", "1"])]
+    runs, failed = [], False
+    for rep in range(opts.repeat):
+        rows = [run(opts.server, name, args, opts, system) for name, args in setups]
+        report(rows, opts, n_system, rep)
+        runs.append(rows)
+        failed = failed or any(r["errors"] for r in rows)
+    # A shared machine disturbs some runs more than others: the medians over the runs, and the
+    # best run of each set-up (least disturbed), are both given.
+    print("\nover %d runs (median / best of each set-up):\n" % opts.repeat)
+    print("| set-up | gen tok/s | TTFT p50 ms | engine TTFT p50 ms | engine ITL p50 ms |")
+    print("|---|---:|---:|---:|---:|")
+    summary = []
+    for k, (name, _) in enumerate(setups):
+        col = lambda key: [rows[k][key] for rows in runs]
+        row = {"tok_s": (statistics.median(col("tok_s")), max(col("tok_s"))),
+               "ttft": (statistics.median(col("ttft_p50")), min(col("ttft_p50"))),
+               "sttft": (statistics.median(col("server_ttft_p50")), min(col("server_ttft_p50"))),
+               "sitl": (statistics.median(col("server_itl_p50")), min(col("server_itl_p50")))}
+        summary.append(row)
+        print("| %s | %.0f / %.0f | %.1f / %.1f | %.1f / %.1f | %.2f / %.2f |" % (
+            name, row["tok_s"][0], row["tok_s"][1], row["ttft"][0], row["ttft"][1],
+            row["sttft"][0], row["sttft"][1], row["sitl"][0], row["sitl"][1]))
+    cached, uncached, serial = summary
+    ttft = [rows[1]["ttft_p50"] / rows[0]["ttft_p50"] for rows in runs]
+    tok = [rows[0]["tok_s"] / rows[2]["tok_s"] for rows in runs]
+    print("\nTTFT p50 without / with the prefix cache, per run: %s; of the medians %.1fx, of the "
+          "best runs %.1fx" % (", ".join("%.1fx" % x for x in ttft),
+                               uncached["ttft"][0] / cached["ttft"][0],
+                               uncached["ttft"][1] / cached["ttft"][1]))
+    print("generated tokens/s batched / one at a time, per run: %s; of the medians %.1fx, of the "
+          "best runs %.1fx" % (", ".join("%.1fx" % x for x in tok),
+                               cached["tok_s"][0] / serial["tok_s"][0],
+                               cached["tok_s"][1] / serial["tok_s"][1]))
+    return 1 if failed else 0
+
+
+def report(rows, opts, n_system, rep):
+    print("\nrun %d: %d clients x %d requests, system prompt %d tokens (BOS included), %d generated "
+          "tokens each, %d engine threads\n" % (rep + 1, opts.clients, opts.requests, n_system,
+                                                 opts.max_tokens, opts.threads))
+    print("| set-up | requests | wall s | gen tok/s | TTFT p50 / p90 / p99 ms | "
+          "event gap p50 / p90 / p99 ms | engine TTFT p50 ms | engine ITL p50 / p99 ms | "
+          "prompt tok (cached) | prefilled | preemptions |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print("| %s | %d%s | %.2f | %.0f | %.1f / %.1f / %.1f | %.2f / %.2f / %.2f | %.1f | "
+              "%.2f / %.2f | %.0f (%.0f) | %d | %d |" % (
+                  r["name"], r["requests"],
+                  " (%d failed)" % len(r["errors"]) if r["errors"] else "", r["wall_s"],
+                  r["tok_s"], r["ttft_p50"], r["ttft_p90"], r["ttft_p99"], r["itl_p50"],
+                  r["itl_p90"], r["itl_p99"], r["server_ttft_p50"], r["server_itl_p50"], r["server_itl_p99"],
+                  r["prompt_tokens"], r["cached"], r["prefilled"], r["preemptions"]))
+    cached, uncached, serial = rows
+    print("\nTTFT p50 without / with the prefix cache: %.1fx" %
+          (uncached["ttft_p50"] / cached["ttft_p50"]))
+    print("generated tokens/s batched / one at a time: %.1fx" %
+          (cached["tok_s"] / serial["tok_s"]))
+    for r in rows:
+        for e in r["errors"][:3]:
+            print("error (%s): %s" % (r["name"], e), file=sys.stderr)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
