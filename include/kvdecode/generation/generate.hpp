@@ -15,7 +15,6 @@
 #include <utility>
 #include <vector>
 
-#include "kvdecode/detail/gemm.hpp"
 #include "kvdecode/error.hpp"
 #include "kvdecode/generation/sampler.hpp"
 #include "kvdecode/generation/speculative.hpp"
@@ -198,8 +197,8 @@ GenerationStats generate(const Model<T, W>& model, S& cache, Activations<T>& act
   // single-token ones bit for bit (so greedy verification agrees with plain decoding).
   const std::size_t max_pass =
       speculate
-          ? std::max<std::size_t>(1, std::min({std::min(spec.max_draft, detail::kMaxFewTokens) + 1,
-                                               act.max_chunk, detail::kMaxFewTokens}))
+          ? std::max<std::size_t>(
+                1, std::min({std::min(spec.max_draft, kMaxSpeculativeDraft) + 1, act.max_chunk}))
           : 1;
   std::vector<T> all_logits(max_pass > 1 ? max_pass * vocab : 0);  // [max_pass][vocab] a pass
   std::vector<std::int32_t> pass(max_pass);            // [max_pass] the fed token, then proposals

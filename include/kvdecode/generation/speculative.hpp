@@ -329,6 +329,10 @@ struct Speculation {
   }
 };
 
+/// The most proposals one pass verifies: a pass of k + 1 tokens stays within the few-token GEMM,
+/// whose products equal decoding's bit for bit. A larger k is capped to it.
+inline constexpr std::size_t kMaxSpeculativeDraft = detail::kMaxFewTokens - 1;
+
 /// speculative_generate()'s pass size.
 struct SpeculativeOptions {
   /// k: as Speculation::max_draft.
