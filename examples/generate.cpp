@@ -239,28 +239,12 @@ void declare(CLI::App& app, Options& o) {
 
   // Speculative decoding: a drafter proposes tokens, one target pass of k + 1 verifies them.
   const char* spec = "Speculative decoding (same tokens as plain greedy decoding)";
-  const std::string k_range = "[1, " + std::to_string(kvdecode::kMaxSpeculativeDraft) + "]";
-  app.add_option_function<std::string>(
-         "--speculate",
-         [&o](const std::string& v) {
-           o.speculate = kDefaultDraft;
-           if (v.size() > 7) cli::parse_number(std::string_view(v).substr(7), o.speculate);
-         },
-         "lookup: prompt lookup drafts the tokens that followed the latest earlier occurrence of "
-         "the text's last words; lookup:N drafts N per pass, N in " +
-             k_range + " (lookup: " + std::to_string(kDefaultDraft) +
-             "). Pays where the text repeats the prompt or itself")
-      ->check(CLI::Validator(
-          [k_range](std::string& v) -> std::string {
-            std::size_t k = 0;
-            if (v == "lookup") return {};
-            if (v.starts_with("lookup:") && cli::parse_number(std::string_view(v).substr(7), k) &&
-                k >= 1 && k <= kvdecode::kMaxSpeculativeDraft)
-              return {};
-            return "expects lookup or lookup:N with N in " + k_range + ", got '" + v + "'";
-          },
-          ""))
-      ->type_name("lookup[:N]")
+  cli::name_with_count(
+      app, "--speculate", "lookup", o.speculate, kDefaultDraft, 1, kvdecode::kMaxSpeculativeDraft,
+      "lookup: prompt lookup drafts the tokens that followed the latest earlier occurrence of the "
+      "text's last words; lookup:N drafts N per pass, N in [1, " +
+          std::to_string(kvdecode::kMaxSpeculativeDraft) + "] (lookup: " +
+          std::to_string(kDefaultDraft) + "). Pays where the text repeats the prompt or itself")
       ->group(spec);
   app.add_option("--draft", o.draft,
                  "a smaller llama2.c checkpoint with the target's vocabulary drafts the tokens "
