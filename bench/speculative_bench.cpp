@@ -1,11 +1,11 @@
-// BM_SpeculativeKjv: plain greedy generate() against speculative_generate() with prompt lookup on
-// the bundled KJV model, a prompt that quotes a passage, 1 and 2 threads; each iteration runs
-// both and checks they emit the same tokens. Counters: decode tokens/s of each, their ratio
-// (speedup), acceptance rate and tokens per target pass.
-// BM_SpeculativeBreakEven: a target and a draft checkpoint named by KVDECODE_SPEC_TARGET and
-// KVDECODE_SPEC_DRAFT (llama2.c v0 files, e.g. random 110M and 15M shapes): the decode step,
-// verify pass and draft step times, the acceptance rate at which speculation breaks even and
-// the one measured. Registered only when both variables are set.
+// BM_SpeculativeKjv: plain greedy generate() against generate() with prompt lookup
+// (GenerationOptions::speculation) on the bundled KJV model, a prompt that quotes a passage, 1
+// and 2 threads; each iteration runs both and checks they emit the same tokens. Counters: decode
+// tokens/s of each, their ratio (speedup), acceptance rate and tokens per target pass.
+// BM_SpeculativeBreakEven: a target and a draft model of llama2.c's stories110M and stories15M
+// shapes with random weights (random_weights, seeds 1 and 2; tiny shapes in a smoke run): the
+// decode step, verify pass and draft step times, the acceptance rate at which speculation breaks
+// even and the one measured.
 
 // Before any Eigen include: GCC 12's false -Wmaybe-uninitialized and -Wuninitialized in its
 // own avx512fintrin.h (see bench_model.hpp).
@@ -22,7 +22,6 @@
 #include <filesystem>
 #include <memory>
 #include <span>
-#include <string>
 #include <vector>
 
 #include "kvdecode/kvdecode.hpp"
@@ -66,9 +65,11 @@ void BM_SpeculativeKjv(benchmark::State& state) {
   Activations<float> act(cfg, {.max_chunk = 16, .thread_pool = pool.get()});
   const SamplerOptions greedy{.temperature = 0};
   const GenerationOptions options{.max_new_tokens = n_new};
+  const GenerationOptions speculative{.max_new_tokens = n_new,
+                                      .speculation = Speculation::prompt_lookup(max_draft)};
   double plain_ms = 0, spec_ms = 0;
   std::size_t decode_steps = 0;
-  SpeculativeStats last;
+  GenerationStats last;
   for (auto _ : state) {
     std::vector<std::int32_t> plain, spec;
     cache.reset();
@@ -76,10 +77,8 @@ void BM_SpeculativeKjv(benchmark::State& state) {
     const GenerationStats ps = generate(model, cache, act, prompt, sampler, options,
                                         [&](std::int32_t t) { plain.push_back(t); });
     cache.reset();
-    PromptLookupDrafter lookup;
-    last =
-        speculative_generate(model, cache, act, prompt, greedy, lookup, options,
-                             {.max_draft = max_draft}, [&](std::int32_t t) { spec.push_back(t); });
+    last = generate(model, cache, act, prompt, sampler, speculative,
+                    [&](std::int32_t t) { spec.push_back(t); });
     if (spec != plain) state.SkipWithError("speculative output differs from plain greedy");
     plain_ms += ps.decode_ms;
     spec_ms += last.decode_ms;
@@ -112,12 +111,33 @@ double tokens_per_pass(double a, std::size_t k) {
   return s;
 }
 
-void BM_SpeculativeBreakEven(benchmark::State& state, std::string target_file,
-                             std::string draft_file) {
+/// llama2.c's stories110M and stories15M shapes (vocabulary 32000), or tiny ones in a smoke run.
+ModelConfig llama2c_shape(bool large) {
+  ModelConfig c;
+  if (smoke()) {
+    c.dim = large ? 64 : 32;
+    c.hidden_dim = large ? 172 : 96;
+    c.n_layers = 2;
+    c.n_heads = c.n_kv_heads = 4;
+    c.vocab_size = 512;
+    c.seq_len = 128;
+    return c;
+  }
+  c.dim = large ? 768 : 288;
+  c.hidden_dim = large ? 2048 : 768;
+  c.n_layers = large ? 12 : 6;
+  c.n_heads = c.n_kv_heads = large ? 12 : 6;
+  c.vocab_size = 32000;
+  c.seq_len = large ? 1024 : 256;
+  return c;
+}
+
+void BM_SpeculativeBreakEven(benchmark::State& state) {
   const auto threads = static_cast<std::size_t>(state.range(0));
   const auto k = static_cast<std::size_t>(state.range(1));
-  const Model<float> target(load_checkpoint(target_file));
-  const Model<float> draft(load_checkpoint(draft_file));
+  // Built once for every argument pair (110M random weights take seconds to draw).
+  static const Model<float> target(random_weights<float>(llama2c_shape(true), 1));
+  static const Model<float> draft(random_weights<float>(llama2c_shape(false), 2));
   const ModelConfig& cfg = target.config();
   std::unique_ptr<ThreadPool> pool = threads > 1 ? std::make_unique<ThreadPool>(threads) : nullptr;
   ContiguousStore<float> cache(cfg), draft_cache(draft.config());
@@ -131,7 +151,7 @@ void BM_SpeculativeBreakEven(benchmark::State& state, std::string target_file,
   std::vector<float> all((k + 1) * static_cast<std::size_t>(cfg.vocab_size));
   const int reps = 8;
   double decode_ms = 0, verify_ms = 0, draft_ms = 0;
-  SpeculativeStats stats;
+  GenerationStats stats;
   for (auto _ : state) {
     cache.reset();
     target.prefill(prompt, cache, act);
@@ -155,8 +175,10 @@ void BM_SpeculativeBreakEven(benchmark::State& state, std::string target_file,
     draft_cache.reset();
     DraftModelDrafter<float, float, ContiguousStore<float>> drafter(draft, draft_cache, draft_act,
                                                                     k);
-    stats = speculative_generate(target, cache, act, prompt, {.temperature = 0}, drafter,
-                                 {.max_new_tokens = 32}, {.max_draft = k}, [](std::int32_t) {});
+    Sampler greedy(cfg.vocab_size, {.temperature = 0});
+    stats = generate(target, cache, act, prompt, greedy,
+                     {.max_new_tokens = 32, .speculation = Speculation::with_drafter(drafter, k)},
+                     [](std::int32_t) {});
   }
   // A pass costs one verify and k draft steps; plain decoding emits 1 token per decode step.
   const double pass_cost = (verify_ms + static_cast<double>(k) * draft_ms) / decode_ms;
@@ -174,21 +196,13 @@ void BM_SpeculativeBreakEven(benchmark::State& state, std::string target_file,
   state.counters["measured_tok_per_pass"] = stats.tokens_per_pass();
 }
 
-const bool kRegistered = [] {
-  const char* target = std::getenv("KVDECODE_SPEC_TARGET");
-  const char* draft = std::getenv("KVDECODE_SPEC_DRAFT");
-  if (target != nullptr && draft != nullptr) {
-    benchmark::RegisterBenchmark("BM_SpeculativeBreakEven", BM_SpeculativeBreakEven,
-                                 std::string(target), std::string(draft))
-        ->ArgNames({"threads", "k"})
-        ->Args({1, 4})
-        ->Args({2, 4})
-        ->Args({2, 8})
-        ->Unit(benchmark::kMillisecond)
-        ->Iterations(1);
-  }
-  return true;
-}();
+BENCHMARK(BM_SpeculativeBreakEven)
+    ->ArgNames({"threads", "k"})
+    ->Args({1, 4})
+    ->Args({2, 4})
+    ->Args({2, 8})
+    ->Unit(benchmark::kMillisecond)
+    ->Iterations(1);
 
 }  // namespace
 

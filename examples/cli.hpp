@@ -138,6 +138,35 @@ struct LowBitFlags {
   }
 };
 
+/// An option that names a mode alone or with a count: "name" sets `count` to `fallback`,
+/// "name:N" to N in [lo, hi]. Anything else gives "expects name or name:N with N in [lo, hi],
+/// got 'x'".
+inline CLI::Option* name_with_count(CLI::App& app, const std::string& names,
+                                    const std::string& name, std::size_t& count,
+                                    std::size_t fallback, std::size_t lo, std::size_t hi,
+                                    const std::string& help) {
+  const std::string prefix = name + ":";
+  const auto parse = [=](std::string_view v, std::size_t& n) {
+    if (v == name) {
+      n = fallback;
+      return true;
+    }
+    return v.starts_with(prefix) && parse_number(v.substr(prefix.size()), n) && n >= lo && n <= hi;
+  };
+  const std::string expects = "expects " + name + " or " + prefix + "N with N in [" + to_text(lo) +
+                              ", " + to_text(hi) + "], got '";
+  return app
+      .add_option_function<std::string>(
+          names, [&count, parse](const std::string& v) { parse(v, count); }, help)
+      ->check(CLI::Validator(
+          [parse, expects](std::string& v) -> std::string {
+            std::size_t n = 0;
+            return parse(v, n) ? std::string() : expects + v + "'";
+          },
+          ""))
+      ->type_name(name + "[:N]");
+}
+
 /// An App with the examples' conventions: the last of a repeated flag wins (as in llama.cpp),
 /// --flag=value works, --help and --version are generated.
 inline void configure(CLI::App& app, const char* version) {

@@ -80,12 +80,17 @@ struct Options {
   bool interactive = false;
   bool stats_to_stdout = false;
   bool verbose = false;
+  std::size_t speculate = 0;  // --speculate lookup[:N]: N proposals per pass; 0 = off
+  std::string draft;          // --draft FILE: a draft checkpoint ("demo": the demo model)
+  std::size_t draft_k = 4;    // --draft-k
+  bool draft_k_given = false;
 };
 
 // ---------------------------------------------------------------------------------------------
 // The flags: each declared once, with its names, default, help and validation.
 
 constexpr std::size_t kMaxCount = std::size_t{1} << 31;  // bound of every count flag
+constexpr std::size_t kDefaultDraft = 4;  // proposals per pass of --speculate lookup and --draft
 
 void declare(CLI::App& app, Options& o) {
   using cli::number;
@@ -233,9 +238,30 @@ void declare(CLI::App& app, Options& o) {
       ->check(number<std::size_t>(1, kMaxCount))
       ->capture_default_str()
       ->group(run);
-  app.add_flag("--stats", o.stats_to_stdout, "print the report on stdout instead of stderr")
+  app.add_flag("--stats", o.stats_to_stdout,
+               "print the report on stdout instead of stderr; with --speculate or --draft, then "
+               "time a plain decode of as many tokens (same store, threads and sampling) and "
+               "report the speedup")
       ->group(run);
   app.add_flag("--verbose", o.verbose, "errors name the library header and line")->group(run);
+
+  // Speculative decoding: a drafter proposes tokens, one target pass of k + 1 verifies them.
+  const char* spec = "Speculative decoding (same tokens as plain greedy decoding)";
+  cli::name_with_count(
+      app, "--speculate", "lookup", o.speculate, kDefaultDraft, 1, kvdecode::kMaxSpeculativeDraft,
+      "lookup: prompt lookup drafts the tokens that followed the latest earlier occurrence of the "
+      "text's last words; lookup:N drafts N per pass, N in [1, " +
+          std::to_string(kvdecode::kMaxSpeculativeDraft) + "] (lookup: " +
+          std::to_string(kDefaultDraft) + "). Pays where the text repeats the prompt or itself")
+      ->group(spec);
+  app.add_option("--draft", o.draft,
+                 "a smaller llama2.c checkpoint with the target's vocabulary drafts the tokens "
+                 "(f32, on its own cache); \"demo\": the demo model")
+      ->group(spec);
+  app.add_option("--draft-k", o.draft_k, "tokens --draft proposes per pass")
+      ->check(number<std::size_t>(1, kvdecode::kMaxSpeculativeDraft))
+      ->capture_default_str()
+      ->group(spec);
 }
 
 /// The store kinds the flags can ask for, each a type: the one place a runtime choice becomes
@@ -296,6 +322,24 @@ void check(const Options& o) {
     throw UsageError{"--save-cache and --load-cache cannot be combined with --no-cache"};
   if (!o.save_cache.empty() && !writable(o.save_cache))
     throw UsageError{"--save-cache: cannot write '" + o.save_cache + "'"};
+  // Speculation verifies proposals against the cache, under plain greedy's or the sampler's
+  // distribution as speculative sampling defines it (temperature, top-k, top-p).
+  const bool speculating = o.speculate > 0 || !o.draft.empty();
+  if (o.speculate > 0 && !o.draft.empty())
+    throw UsageError{"--speculate lookup and --draft both choose the drafter; pass one"};
+  if (o.draft_k_given && o.draft.empty()) throw UsageError{"--draft-k needs --draft"};
+  if (speculating && o.no_cache)
+    throw UsageError{
+        "--speculate and --draft verify proposals against the KV cache; they "
+        "cannot be combined with --no-cache"};
+  if (speculating && o.repeat_penalty != 1.0)
+    throw UsageError{
+        "--speculate and --draft verify against the unpenalised distribution; "
+        "they cannot be combined with --repeat-penalty"};
+  if (speculating && o.min_p > 0 && o.temperature > 0)
+    throw UsageError{
+        "--speculate and --draft sample by temperature, top-k and top-p; --min-p "
+        "needs --temperature 0 with them"};
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -480,14 +524,35 @@ struct Run {
   std::vector<std::int32_t> prompt;  // BOS, then the prompt's tokens
   std::uint64_t seed = 0;
   Clock::time_point start;
+  const kvdecode::Model<float>* draft = nullptr;  // --draft's model, else none
+  std::string draft_name;                         // for the report
 };
+
+/// The speculation the flags ask for, handed to f(const kvdecode::Speculation&): none, prompt
+/// lookup, or the draft model on a contiguous f32 store of its own (the target's context, at
+/// most the draft's seq_len; past it the draft proposes nothing).
+template <class F>
+int with_speculation(const Run& run, std::size_t ctx, std::size_t chunk, kvdecode::ThreadPool& pool,
+                     F&& f) {
+  using namespace kvdecode;
+  const Options& o = run.o;
+  if (o.speculate > 0) return f(Speculation::prompt_lookup(o.speculate));
+  if (run.draft == nullptr) return f(Speculation{});
+  const ModelConfig& dc = run.draft->config();
+  ContiguousStore<float> store(dc, std::min(ctx, static_cast<std::size_t>(dc.seq_len)));
+  Activations<float> act(dc, {.max_chunk = chunk, .thread_pool = &pool});
+  DraftModelDrafter<float, float, ContiguousStore<float>> drafter(*run.draft, store, act,
+                                                                  o.draft_k);
+  return f(Speculation::with_drafter(drafter, o.draft_k));
+}
 
 /// Restores a saved prompt prefix, runs kvdecode::generate() (saving the cache once the prompt
 /// is in), streams the text and reports where the time and the bytes went. One path for every
 /// store.
 template <class W, kvdecode::KvStore S>
 int generate_with(const Run& run, const kvdecode::Model<float, W>& model, S& cache,
-                  kvdecode::ThreadPool& pool, std::size_t chunk) {
+                  kvdecode::ThreadPool& pool, std::size_t chunk,
+                  const kvdecode::Speculation& speculation) {
   using namespace kvdecode;
   const Options& o = run.o;
   const ModelConfig& cfg = model.config();
@@ -547,7 +612,12 @@ int generate_with(const Run& run, const kvdecode::Model<float, W>& model, S& cac
   std::size_t tokens_seen = 0;
   std::int32_t prev = prompt.back();
   TextStream text(o.stop);
+  // With --stats, the speculative run's tokens, for the plain run that follows it.
+  const bool speculating = speculation.kind != Speculation::Kind::kNone;
+  const bool compare = speculating && o.stats_to_stdout;
+  std::vector<std::int32_t> emitted;
   const auto on_token = [&](std::int32_t token) {
+    if (compare) emitted.push_back(token);
     ++tokens_seen;
     if (token != Tokenizer::kBos) {
       const std::string_view piece = shown_piece(tokenizer.decode(prev, token));
@@ -564,6 +634,7 @@ int generate_with(const Run& run, const kvdecode::Model<float, W>& model, S& cac
                                     : static_cast<std::size_t>(o.n);
   go.stop_token = o.ignore_bos ? -1 : Tokenizer::kBos;
   go.use_cache = !o.no_cache;
+  go.speculation = speculation;
   const GenerationStats st = generate(model, cache, act, std::span(prompt).subspan(from_file),
                                       sampler, go, on_token, after_prompt);
   write_out(text.flush());
@@ -634,7 +705,8 @@ int generate_with(const Run& run, const kvdecode::Model<float, W>& model, S& cac
   const double tok_s = st.decode_tokens_per_s();
   const double decode_ms = st.decode_ms;
   const double ms_per_token = steps > 0 ? decode_ms / static_cast<double>(steps) : 0.0;
-  if (o.no_cache) {
+  if (o.no_cache || speculating) {
+    // (A verify pass is a prefill of k + 1 tokens: the decode-step byte counts do not cover it.)
     std::fprintf(out, "decode             %.1f tok/s, %.3f ms per token (%zu tokens in %.2f ms)\n",
                  tok_s, ms_per_token, steps, decode_ms);
   } else {
@@ -650,6 +722,41 @@ int generate_with(const Run& run, const kvdecode::Model<float, W>& model, S& cac
                  tok_s, decode_ms > 0 ? bytes / (decode_ms * 1e6) : 0.0, ms_per_token, steps,
                  decode_ms, weight_bytes * per_step / 1e6, kv_bytes_read * per_step / 1e6);
   }
+  if (speculating) {
+    const std::string drafter = speculation.kind == Speculation::Kind::kPromptLookup
+                                    ? "prompt lookup"
+                                    : "draft model " + run.draft_name + " (dim " +
+                                          std::to_string(run.draft->config().dim) + ", " +
+                                          std::to_string(run.draft->config().n_layers) + " layers)";
+    std::fprintf(out,
+                 "speculation        %s, k %zu: %zu drafted, %zu accepted (acceptance %.2f), %zu "
+                 "target passes, %.2f tokens per pass, drafting %.2f ms\n",
+                 drafter.c_str(), std::min(speculation.max_draft, act.max_chunk - 1), st.drafted,
+                 st.accepted, st.acceptance_rate(), st.target_passes, st.tokens_per_pass(),
+                 st.draft_ms);
+  }
+  if (compare && g_interrupted == 0 && steps > 0) {
+    // Plain decoding of as many tokens, from the same prompt on the same store and threads.
+    cache.reset();
+    Sampler plain_sampler(cfg.vocab_size, so);
+    GenerationOptions plain{.max_new_tokens = st.generated_tokens, .stop_token = -1};
+    std::size_t i = 0;
+    bool same = true;
+    const GenerationStats ps =
+        generate(model, cache, act, std::span(prompt), plain_sampler, plain,
+                 [&](std::int32_t t) { same = same && i < emitted.size() && emitted[i++] == t; });
+    const double plain_tok_s = ps.decode_tokens_per_s();
+    std::fprintf(out,
+                 "plain decode       %.1f tok/s, %.3f ms per token (%zu tokens in %.2f ms; same "
+                 "store and threads, after the run%s)\n",
+                 plain_tok_s, ps.decode_ms / static_cast<double>(ps.decode_steps()),
+                 ps.decode_steps(), ps.decode_ms,
+                 o.temperature > 0 ? ""
+                 : same            ? "; identical tokens"
+                                   : "; DIFFERENT tokens");
+    std::fprintf(out, "speedup            %.2fx decode tok/s with speculation\n",
+                 plain_tok_s > 0 ? tok_s / plain_tok_s : 0.0);
+  }
   std::fprintf(out, "total              %.2f ms\n", ms_since(run.start));
   return g_interrupted ? 130 : 0;
 }
@@ -657,7 +764,8 @@ int generate_with(const Run& run, const kvdecode::Model<float, W>& model, S& cac
 /// Chat: each stdin line is a turn appended to one cache; the answer is generated after it.
 template <class W, kvdecode::KvStore S>
 int chat_with(const Run& run, const kvdecode::Model<float, W>& model, S& cache,
-              kvdecode::ThreadPool& pool, std::size_t chunk) {
+              kvdecode::ThreadPool& pool, std::size_t chunk,
+              const kvdecode::Speculation& speculation) {
   using namespace kvdecode;
   const Options& o = run.o;
   const ModelConfig& cfg = model.config();
@@ -673,6 +781,7 @@ int chat_with(const Run& run, const kvdecode::Model<float, W>& model, S& cache,
   go.max_new_tokens =
       o.n < 0 ? std::numeric_limits<std::size_t>::max() : static_cast<std::size_t>(o.n);
   go.stop_token = o.ignore_bos ? -1 : Tokenizer::kBos;
+  go.speculation = speculation;
   std::optional<std::int32_t> last;  // the last answer's final token, sampled but not yet fed
   std::string line;
   for (std::size_t turn = 1; std::getline(std::cin, line) && g_interrupted == 0; ++turn) {
@@ -727,9 +836,16 @@ int with_store(const Run& run, const kvdecode::Model<float, W>& model, kvdecode:
     throw cli::UsageError{"the prompt has " + std::to_string(run.prompt.size()) +
                           " tokens but the context holds " + std::to_string(ctx) +
                           " (see --ctx-size, or use --window)"};
+  // A verification pass runs k + 1 tokens through the Activations (and a window's ring).
+  const std::size_t k = o.speculate > 0 ? o.speculate : run.draft != nullptr ? o.draft_k : 0;
+  if (k > 0 && o.window == 0 && k + 1 > ctx)
+    throw cli::UsageError{"--speculate and --draft run k + 1 = " + std::to_string(k + 1) +
+                          " tokens per pass but the context holds " + std::to_string(ctx)};
   const auto go = [&](auto& store) {
-    return o.interactive ? chat_with(run, model, store, pool, chunk)
-                         : generate_with(run, model, store, pool, chunk);
+    return with_speculation(run, ctx, chunk, pool, [&](const Speculation& speculation) {
+      return o.interactive ? chat_with(run, model, store, pool, chunk, speculation)
+                           : generate_with(run, model, store, pool, chunk, speculation);
+    });
   };
   if (o.window > 0) {
     const std::size_t sinks = o.sinks.value_or(4);
@@ -740,7 +856,12 @@ int with_store(const Run& run, const kvdecode::Model<float, W>& model, kvdecode:
     // token at a time), and the ring's size grows with the chunk. It does not depend on the
     // prompt, so a saved window cache restores for any prompt (its ring has the same shape).
     chunk = std::max<std::size_t>(1, std::min(o.chunk, sinks + o.window));
+    if (k + 1 > sinks + o.window)
+      throw cli::UsageError{
+          "--speculate and --draft run k + 1 = " + std::to_string(k + 1) +
+          " tokens per pass but --sinks + --window = " + std::to_string(sinks + o.window)};
   }
+  chunk = std::max(chunk, k + 1);
   return with_store_type(o, [&]<class S>(std::type_identity<S>) -> int {
     // The store's options from the flags, by what the options hold (not by the store's type).
     typename S::Options so{};
@@ -765,12 +886,35 @@ int run(const Options& o) {
   const auto start = Clock::now();
   check(o);
   Source src = load_source(o);
-  Run r{o, src, {}, 0, start};
+  Run r{o, src, {}, 0, start, nullptr, {}};
   if (!o.interactive) {
     r.prompt = src.tokenizer.encode(prompt_text(o, src), /*bos=*/true);
   }
   r.seed = o.seed > 0 ? static_cast<std::uint64_t>(o.seed)
                       : (std::uint64_t{std::random_device{}()} << 32 | std::random_device{}()) | 1;
+  // The draft model, checked against the target's vocabulary before anything runs.
+  std::optional<Model<float>> draft;
+  if (!o.draft.empty()) {
+    Weights<float> dw;
+    if (o.draft == kDemo) {
+      dw = demo_weights<float>();
+    } else {
+      try {
+        dw = load_checkpoint(o.draft);
+      } catch (const Error& e) {
+        std::string message = e.what();  // "kvdecode: <what> [file:line]", kept for --verbose
+        if (message.starts_with("kvdecode: ")) message.erase(0, 10);
+        throw Error("kvdecode: --draft: " + message);
+      }
+    }
+    if (dw.config.vocab_size != src.weights.config.vocab_size)
+      throw Error("--draft: the draft model '" + o.draft + "' has vocab_size " +
+                  std::to_string(dw.config.vocab_size) + " but the model '" + src.name +
+                  "' has vocab_size " + std::to_string(src.weights.config.vocab_size) +
+                  "; a draft must share the target's vocabulary");
+    r.draft_name = o.draft;
+    r.draft = &draft.emplace(std::move(dw));
+  }
   ThreadPool pool(o.threads);
   // No SA_RESTART: a Ctrl-C while the chat waits for a line ends the wait too.
   struct sigaction sa = {};
@@ -803,6 +947,7 @@ int main(int argc, char** argv) {
   declare(app, o);
   return cli::run_main(app, argc, argv, o.verbose, [&] {
     o.n_given = app.get_option("-n")->count() > 0;
+    o.draft_k_given = app.get_option("--draft-k")->count() > 0;
     return run(o);
   });
 }

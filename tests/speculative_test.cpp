@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
 #include <map>
 #include <memory>
 #include <span>
@@ -262,6 +263,77 @@ TYPED_TEST(SpeculativeGreedyTest, StopsLikeGenerateAtAStopTokenAndAFullCache) {
     EXPECT_TRUE(st.hit_stop_token);
     EXPECT_EQ(d.size(), c.size());
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// generate()'s speculation option: plain greedy generate() is the oracle
+
+TYPED_TEST(SpeculativeGreedyTest, GenerateOptionGivesThePlainGreedyTokens) {
+  using T = TypeParam;
+  if (!exact_verify<T>()) GTEST_SKIP() << "f32 verification uses Eigen's GEMM on this target";
+  const ModelConfig cfg = small_config(4, 2, 120);
+  const Model<T> target(random_weights<T>(cfg, 41));
+  const Model<T> other(random_weights<T>(cfg, 43));
+  Tokens prompt = random_tokens(7, cfg.vocab_size, 3);
+  const Tokens again = prompt;
+  prompt.insert(prompt.end(), again.begin(), again.end());
+  const std::size_t n_new = 60;
+  const auto run_with = [&](typename Setup<T>::Kind kind, const Speculation& speculation) {
+    Tokens out;
+    Setup<T>::with_store(kind, cfg, [&](auto& store) {
+      Activations<T> act(
+          cfg, {.max_chunk = Setup<T>::kMaxDraft + 1, .store_scratch = store.block_scratch_size()});
+      Sampler sampler(cfg.vocab_size, {.temperature = 0});
+      const GenerationOptions options{.max_new_tokens = n_new, .speculation = speculation};
+      const GenerationStats st = generate(target, store, act, prompt, sampler, options,
+                                          [&](std::int32_t t) { out.push_back(t); });
+      if (speculation.kind == Speculation::Kind::kNone) {
+        EXPECT_EQ(st.drafted, 0u);
+        EXPECT_EQ(st.target_passes, n_new - 1);  // one decode step per token after the first
+      } else {
+        EXPECT_GT(st.drafted, 0u) << "the option did not speculate";
+        EXPECT_LT(st.target_passes, n_new - 1);
+      }
+    });
+    return out;
+  };
+  for (int k = 0; k < 6; ++k) {
+    const auto kind = static_cast<typename Setup<T>::Kind>(k);
+    SCOPED_TRACE(kKindNames[k]);
+    const Tokens plain = run_with(kind, {});
+    ASSERT_EQ(plain.size(), n_new);
+    EXPECT_EQ(run_with(kind, Speculation::prompt_lookup(Setup<T>::kMaxDraft)), plain);
+    // A k far beyond any pass: the pass is capped (max_chunk, the few-token GEMM), not k + 1.
+    EXPECT_EQ(run_with(kind, Speculation::prompt_lookup(std::numeric_limits<std::size_t>::max())),
+              plain);
+    ContiguousStore<T> draft_store(cfg);
+    Activations<T> draft_act(cfg, {.max_chunk = 8});
+    DraftModelDrafter<T, T, ContiguousStore<T>> drafter(other, draft_store, draft_act,
+                                                        Setup<T>::kMaxDraft);
+    EXPECT_EQ(run_with(kind, Speculation::with_drafter(drafter, Setup<T>::kMaxDraft)), plain);
+  }
+}
+
+TEST(SpeculationOptionTest, RefusesWhatItCannotHonourAndChangesNothing) {
+  const ModelConfig cfg = small_config(4, 2, 40);
+  const Model<double> model(random_weights<double>(cfg, 5));
+  const Tokens prompt = {1, 2, 3, 1, 2};
+  ContiguousStore<double> store(cfg);
+  Activations<double> act(cfg, {.max_chunk = 5});
+  const auto refused = [&](const SamplerOptions& so, GenerationOptions options) {
+    Sampler sampler(cfg.vocab_size, so);
+    std::size_t calls = 0;
+    EXPECT_THROW(
+        generate(model, store, act, prompt, sampler, options, [&](std::int32_t) { ++calls; }),
+        Error);
+    EXPECT_EQ(store.size(), 0u);
+    EXPECT_EQ(calls, 0u);
+  };
+  const Speculation lookup = Speculation::prompt_lookup(4);
+  refused({.temperature = 0}, {.use_cache = false, .speculation = lookup});
+  refused({.temperature = 0, .repeat_penalty = 1.3}, {.speculation = lookup});
+  refused({.temperature = 0.8, .min_p = 0.1}, {.speculation = lookup});
+  refused({.temperature = 0}, {.speculation = {.kind = Speculation::Kind::kDrafter}});
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -1,19 +1,23 @@
 // generate(): the generation loop. Prompt → prefill → sample → decode until n tokens, a stop
 // token or a full cache, handing each token to a callback and timing every phase. It continues
-// from whatever the cache already holds (a restored prompt prefix, an earlier turn).
+// from whatever the cache already holds (a restored prompt prefix, an earlier turn). With
+// GenerationOptions::speculation a drafter proposes tokens that one target pass verifies.
 #pragma once
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <span>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "kvdecode/error.hpp"
 #include "kvdecode/generation/sampler.hpp"
+#include "kvdecode/generation/speculative.hpp"
 #include "kvdecode/model/activations.hpp"
 #include "kvdecode/model/model.hpp"
 #include "kvdecode/store/kv_store.hpp"
@@ -28,6 +32,10 @@ struct GenerationOptions {
   /// false re-runs the full forward (prefill of every token so far into an emptied store) for
   /// each new token: the same tokens at the cost a KV cache removes.
   bool use_cache = true;
+  /// Speculative decoding: none (the default), prompt lookup, or a drafter such as a smaller
+  /// model on its own store (Speculation::prompt_lookup(k), Speculation::with_drafter(d, k)).
+  /// Needs use_cache and a sampler without repeat penalty (and without min-p when sampling).
+  Speculation speculation{};
 };
 
 struct GenerationStats {
@@ -42,6 +50,10 @@ struct GenerationStats {
   double decode_ms = 0;   ///< every later forward step (from after on_prefilled to the end)
   bool hit_stop_token = false;
   bool hit_capacity = false;
+  std::size_t target_passes = 0;  ///< forward passes after the prompt (a decode or a verify)
+  std::size_t drafted = 0;        ///< tokens a drafter proposed and a pass verified
+  std::size_t accepted = 0;       ///< proposals the target kept
+  double draft_ms = 0;            ///< inside the drafter (part of decode_ms)
   double prefill_tokens_per_s() const {
     return prefill_ms > 0 ? 1e3 * static_cast<double>(prompt_tokens) / prefill_ms : 0;
   }
@@ -49,6 +61,15 @@ struct GenerationStats {
   std::size_t decode_steps() const { return generated_tokens > 0 ? generated_tokens - 1 : 0; }
   double decode_tokens_per_s() const {
     return decode_ms > 0 ? 1e3 * static_cast<double>(decode_steps()) / decode_ms : 0;
+  }
+  double acceptance_rate() const {
+    return drafted > 0 ? static_cast<double>(accepted) / static_cast<double>(drafted) : 0;
+  }
+  /// Generated tokens per target pass after the first token (1 without speculation).
+  double tokens_per_pass() const {
+    return target_passes > 0
+               ? static_cast<double>(decode_steps()) / static_cast<double>(target_passes)
+               : 0;
   }
 };
 
@@ -58,19 +79,6 @@ namespace detail {
 struct NoHook {
   void operator()() const {}
 };
-
-/// Most positions one append to `cache` may hold now: what the store says through an optional
-/// max_append() member (a WindowStore caps appends; see there), else its free capacity.
-template <KvStore S>
-std::size_t append_limit(const S& cache) {
-  if constexpr (requires {
-                  { cache.max_append() } -> std::same_as<std::size_t>;
-                }) {
-    return cache.max_append();
-  } else {
-    return cache.capacity() - cache.size();
-  }
-}
 
 }  // namespace detail
 
@@ -87,7 +95,17 @@ std::size_t append_limit(const S& cache) {
 /// step recomputes cache.tokens() as they were on entry, then the prompt and the tokens
 /// generated so far, into the emptied store. Returns the timings. The store then holds its
 /// earlier tokens, the prompt and every generated token but the last (never fed back).
-/// Throws Error, before changing anything, for an empty prompt or one the cache has no room for.
+///
+/// With options.speculation, each step after the first token lets the drafter propose up to k
+/// tokens and runs them with the last token in one pass of k + 1 (at most act.max_chunk, 16 and
+/// speculative_append_limit(cache)); the longest agreeing prefix and one target token are kept,
+/// the rest rolled out of the store exactly. Greedy (temperature 0) gives the tokens plain
+/// decoding gives; sampling keeps each proposal d with probability min(1, p(d) / q(d)) and draws
+/// a rejection from norm(max(0, p - q)), so the tokens follow the target's distribution (p as
+/// Sampler defines it by temperature, top-k and top-p), from a xorshift64* stream seeded by the
+/// sampler's seed rather than the sampler's own. See docs/SPECULATIVE.md.
+/// Throws Error, before changing anything, for an empty prompt, one the cache has no room for,
+/// or a speculation the options cannot honour.
 template <class T, class W, KvStore S, class OnToken, class OnPrefilled = detail::NoHook>
 GenerationStats generate(const Model<T, W>& model, S& cache, Activations<T>& act,
                          std::span<const std::int32_t> prompt, Sampler& sampler,
@@ -103,15 +121,35 @@ GenerationStats generate(const Model<T, W>& model, S& cache, Activations<T>& act
   KVDECODE_CHECK(prompt.size() <= cache.capacity() - cache.size(), "generate: the prompt has ",
                  prompt.size(), " tokens but the cache, holding ", cache.size(), " of at most ",
                  cache.capacity(), " positions, has room for ", cache.capacity() - cache.size());
+  const Speculation& spec = options.speculation;
+  const SamplerOptions& sampling = sampler.options();
+  const bool speculate = spec.kind != Speculation::Kind::kNone;
+  if (speculate) {
+    KVDECODE_CHECK(options.use_cache,
+                   "generate: speculation verifies proposals against the KV cache; it cannot "
+                   "run with use_cache = false");
+    KVDECODE_CHECK(spec.kind != Speculation::Kind::kDrafter || spec.drafter,
+                   "generate: Speculation::Kind::kDrafter needs a drafter");
+    KVDECODE_CHECK(sampling.repeat_penalty == 1.0,
+                   "generate: speculation verifies against the unpenalised distribution; the "
+                   "repeat penalty must be 1, got ",
+                   sampling.repeat_penalty);
+    KVDECODE_CHECK(sampling.temperature == 0 || sampling.min_p == 0,
+                   "generate: speculative sampling follows temperature, top-k and top-p, not "
+                   "min-p; min_p must be 0, got ",
+                   sampling.min_p);
+  }
   GenerationStats stats;
   stats.cached_tokens = cache.size();
   stats.prompt_tokens = prompt.size();
+  // Positions the run can reach: what the cache holds, the prompt, max_new_tokens, the room.
+  const std::size_t room = cache.capacity() - cache.size();  // checked above: >= prompt
+  const std::size_t reach =
+      cache.size() + prompt.size() + std::min(options.max_new_tokens, room - prompt.size());
   // The whole sequence, for the no-cache mode's recompute; reserved so the loop never grows it.
   std::vector<std::int32_t> sequence;
   if (!options.use_cache) {
-    const std::size_t room = cache.capacity() - cache.size();  // checked above: >= prompt
-    sequence.reserve(cache.size() +
-                     std::min(room, prompt.size() + std::min(options.max_new_tokens, room)));
+    sequence.reserve(reach);
     const std::span<const std::int32_t> held = cache.tokens();
     sequence.assign(held.begin(), held.end());
     sequence.insert(sequence.end(), prompt.begin(), prompt.end());
@@ -134,9 +172,8 @@ GenerationStats generate(const Model<T, W>& model, S& cache, Activations<T>& act
   // The latest sampler.options().repeat_last_n tokens (held, prompt, generated) for the
   // repetition penalty: a ring, as the penalty ignores order; reserved so the loop never grows it.
   // (No more than the cache can hold: a larger window sees the same tokens.)
-  const std::size_t last_n = sampler.options().repeat_penalty != 1.0
-                                 ? std::min(sampler.options().repeat_last_n, cache.capacity())
-                                 : 0;
+  const std::size_t last_n =
+      sampling.repeat_penalty != 1.0 ? std::min(sampling.repeat_last_n, cache.capacity()) : 0;
   std::vector<std::int32_t> recent;
   recent.reserve(last_n);
   std::size_t recent_next = 0;
@@ -152,20 +189,45 @@ GenerationStats generate(const Model<T, W>& model, S& cache, Activations<T>& act
   for (const std::int32_t t : cache.tokens().last(std::min(last_n, cache.size()))) remember(t);
   for (const std::int32_t t : prompt.last(std::min(last_n, prompt.size()))) remember(t);
 
-  const auto start = Clock::now();
-  std::span<const T> logits = feed(prompt);
-  stats.prompt_tokens_decoded = decoded;
-  stats.prefill_ms = ms(Clock::now() - start);
-  on_prefilled();
-  const auto decode_start = Clock::now();
-  bool first = true;
-  while (stats.generated_tokens < options.max_new_tokens) {
-    const std::int32_t token = sampler.sample(logits, std::span<const std::int32_t>(recent));
-    remember(token);
-    if (first) {
-      stats.ttft_ms = ms(Clock::now() - start);
-      first = false;
+  // Speculation's state and scratch, allocated once per call (empty without speculation).
+  const auto vocab = static_cast<std::size_t>(model.config().vocab_size);
+  const bool greedy = sampling.temperature == 0;
+  const bool draws = speculate && !greedy;  // speculative sampling draws its own coins
+  // One pass: k + 1 tokens, within one chunk and the few-token GEMM, whose products equal the
+  // single-token ones bit for bit (so greedy verification agrees with plain decoding).
+  const std::size_t max_pass =
+      speculate
+          ? std::max<std::size_t>(
+                1, std::min({std::min(spec.max_draft, kMaxSpeculativeDraft) + 1, act.max_chunk}))
+          : 1;
+  std::vector<T> all_logits(max_pass > 1 ? max_pass * vocab : 0);  // [max_pass][vocab] a pass
+  std::vector<std::int32_t> pass(max_pass);            // [max_pass] the fed token, then proposals
+  std::vector<std::int32_t> context;                   // [tokens so far] what the drafter reads
+  std::vector<double> p(draws ? vocab : 0);            // [vocab] target distribution of a row
+  std::vector<std::int32_t> order(draws ? vocab : 0);  // [vocab] sampling_distribution scratch
+  // Up to 64 Ki positions more than the prompt: an unbounded store (a streaming window without
+  // a token limit) grows it past that, as it grows its own token list.
+  if (max_pass > 1)
+    context.reserve(std::min(reach, cache.size() + prompt.size() + (std::size_t{1} << 16)) + 1);
+  XorShiftRng rng(sampling.seed);
+  const PromptLookupDrafter lookup(
+      spec.kind == Speculation::Kind::kPromptLookup ? spec.lookup : PromptLookupOptions{});
+  const DrafterRef drafter =
+      spec.kind == Speculation::Kind::kPromptLookup ? DrafterRef(lookup) : spec.drafter;
+
+  const auto pick = [&](std::span<const T> logits) {  // the next token from a row of logits
+    if (!speculate) {
+      const std::int32_t token = sampler.sample(logits, std::span<const std::int32_t>(recent));
+      remember(token);
+      return token;
     }
+    if (greedy) return Sampler::argmax(logits);
+    detail::sampling_distribution(logits, sampling, std::span<double>(p),
+                                  std::span<std::int32_t>(order));
+    return detail::draw(p, detail::coin(rng));
+  };
+  bool stop = false;
+  const auto emit = [&](std::int32_t token) {  // hands a token out; stop when generation ends
     ++stats.generated_tokens;
     bool go_on = true;
     if constexpr (std::is_same_v<std::invoke_result_t<OnToken&, std::int32_t>, bool>) {
@@ -175,23 +237,134 @@ GenerationStats generate(const Model<T, W>& model, S& cache, Activations<T>& act
     }
     if (token == options.stop_token) {
       stats.hit_stop_token = true;
-      break;
+      go_on = false;
     }
-    if (!go_on || stats.generated_tokens == options.max_new_tokens) break;
-    if (cache.size() == cache.capacity()) {
-      stats.hit_capacity = true;
-      break;
+    if (stats.generated_tokens == options.max_new_tokens) go_on = false;
+    stop = !go_on;
+  };
+  // One verification pass of pass[0, n): pass[0] is the last token, pass[i + 1] proposal i.
+  // Emits the kept proposals and one token of the target's; returns how many it emitted.
+  const auto verify = [&](std::size_t n) {
+    const std::size_t n_drafted = n - 1;
+    model.prefill(std::span<const std::int32_t>(pass).first(n), cache, act,
+                  std::span<T>(all_logits).first(n * vocab));
+    stats.drafted += n_drafted;
+    // Row i is the target's next-token logits after pass[0..i].
+    std::size_t emitted = 0;
+    for (std::size_t i = 0; i < n && !stop; ++i) {
+      const std::span<const T> row(all_logits.data() + i * vocab, vocab);
+      bool kept = false;
+      std::int32_t token;
+      if (i == n_drafted) {  // every proposal kept: the row after the last gives one more
+        token = pick(row);
+      } else if (greedy) {
+        token = Sampler::argmax(row);
+        kept = token == pass[i + 1];
+      } else {
+        const std::int32_t d = pass[i + 1];
+        detail::sampling_distribution(row, sampling, std::span<double>(p),
+                                      std::span<std::int32_t>(order));
+        const std::span<const double> q = drafter.distribution(i);
+        const auto ud = static_cast<std::size_t>(d);
+        const double qd = q.empty() ? 1.0 : q[ud];
+        kept = detail::coin(rng) * qd < p[ud];  // probability min(1, p(d) / q(d))
+        if (kept) {
+          token = d;
+        } else {  // residual norm(max(0, p - q)); p itself where it is empty (p ≤ q)
+          const auto residual = [&](std::size_t v) {
+            return std::max(0.0, p[v] - (q.empty() ? (v == ud ? 1.0 : 0.0) : q[v]));
+          };
+          double mass = 0;
+          for (std::size_t v = 0; v < vocab; ++v) mass += residual(v);
+          if (mass > 0) {
+            for (std::size_t v = 0; v < vocab; ++v) p[v] = residual(v) / mass;
+          }
+          token = detail::draw(p, detail::coin(rng));
+        }
+      }
+      ++emitted;
+      if (kept) ++stats.accepted;
+      emit(token);
+      pass[0] = token;  // the last token emitted, fed by the next step
+      if (!kept) break;
     }
-    if (options.use_cache) {
-      logits = model.decode(token, cache, act);
-    } else {
-      sequence.push_back(token);
-      cache.reset();
-      logits = feed(std::span<const std::int32_t>(sequence));
+    return emitted;
+  };
+
+  const auto start = Clock::now();
+  std::span<const T> logits = feed(prompt);
+  stats.prompt_tokens_decoded = decoded;
+  stats.prefill_ms = ms(Clock::now() - start);
+  on_prefilled();
+  const auto decode_start = Clock::now();
+  if (options.max_new_tokens > 0) {
+    std::int32_t token = pick(logits);
+    stats.ttft_ms = ms(Clock::now() - start);
+    emit(token);
+    while (!stop) {
+      if (cache.size() == cache.capacity()) {
+        stats.hit_capacity = true;
+        break;
+      }
+      ++stats.target_passes;
+      if (!options.use_cache) {
+        sequence.push_back(token);
+        cache.reset();
+        token = pick(feed(std::span<const std::int32_t>(sequence)));
+        emit(token);
+        continue;
+      }
+      // A pass emits at most as many tokens as it runs.
+      const std::size_t n_max = max_pass > 1
+                                    ? std::min({max_pass, speculative_append_limit(cache),
+                                                options.max_new_tokens - stats.generated_tokens})
+                                    : 1;
+      std::size_t n_drafted = 0;
+      if (n_max > 1) {
+        const auto draft_start = Clock::now();
+        const std::span<const std::int32_t> held = cache.tokens();
+        context.assign(held.begin(), held.end());
+        context.push_back(token);
+        n_drafted = drafter.draft(std::span<const std::int32_t>(context),
+                                  std::span<std::int32_t>(pass).subspan(1, n_max - 1));
+        KVDECODE_CHECK(n_drafted < n_max, "generate: the drafter proposed ", n_drafted,
+                       " tokens, at most ", n_max - 1, " were asked for");
+        stats.draft_ms += ms(Clock::now() - draft_start);
+      }
+      if (n_drafted == 0) {  // a plain decode step
+        token = pick(model.decode(token, cache, act));
+        emit(token);
+        continue;
+      }
+      pass[0] = token;
+      const std::size_t first = cache.size();
+      const std::size_t emitted = verify(n_drafted + 1);
+      token = pass[0];
+      // The store keeps the fed token and the kept proposals that were handed out but the last.
+      speculative_rollback(cache, first + emitted);
     }
   }
   stats.decode_ms = ms(Clock::now() - decode_start);
   return stats;
+}
+
+/// The statistics of a speculative run: GenerationStats, whose speculation counters it fills.
+using SpeculativeStats = GenerationStats;
+
+/// generate() with `drafter` proposing up to spec.max_draft tokens per pass and a sampler built
+/// from `sampling` (options.use_cache is taken as true): a shorthand for
+/// GenerationOptions::speculation = Speculation::with_drafter(drafter, k).
+template <class T, class W, KvStore S, Drafter D, class OnToken>
+GenerationStats speculative_generate(const Model<T, W>& model, S& cache, Activations<T>& act,
+                                     std::span<const std::int32_t> prompt,
+                                     const SamplerOptions& sampling, D& drafter,
+                                     const GenerationOptions& options,
+                                     const SpeculativeOptions& spec, OnToken&& on_token) {
+  Sampler sampler(model.config().vocab_size, sampling);
+  GenerationOptions with = options;
+  with.use_cache = true;
+  with.speculation = Speculation::with_drafter(drafter, spec.max_draft);
+  return generate(model, cache, act, prompt, sampler, with, std::forward<OnToken>(on_token));
 }
 
 }  // namespace kvdecode

@@ -1,29 +1,43 @@
-// Speculative decoding: a drafter proposes the next few tokens, the target model runs them in
-// one pass (a decode step reads every weight once, so verifying k tokens costs about one step),
-// keeps the longest prefix it agrees with plus one token of its own, and rolls the rest out of
-// its cache. Greedy output equals plain greedy decoding token for token; sampling keeps the
-// target's distribution (Leviathan et al. 2023, Chen et al. 2023). See docs/SPECULATIVE.md.
+// Speculative decoding's parts: a drafter proposes the next few tokens, the target model runs them
+// in one pass (a decode step reads every weight once, so verifying k tokens costs about one
+// step), keeps the longest prefix it agrees with plus one token of its own, and rolls the rest
+// out of its cache. Here: the drafters, the rollback rules and the Speculation option; generate()
+// (generate.hpp) runs the passes. Leviathan et al. 2023, Chen et al. 2023; docs/SPECULATIVE.md.
 #pragma once
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <span>
-#include <type_traits>
 #include <vector>
 
 #include "kvdecode/detail/gemm.hpp"
 #include "kvdecode/error.hpp"
-#include "kvdecode/generation/generate.hpp"
 #include "kvdecode/generation/sampler.hpp"
 #include "kvdecode/model/activations.hpp"
 #include "kvdecode/model/model.hpp"
 #include "kvdecode/store/kv_store.hpp"
 
 namespace kvdecode {
+
+namespace detail {
+
+/// Most positions one append to `cache` may hold now: what the store says through an optional
+/// max_append() member (a WindowStore caps appends; see there), else its free capacity.
+template <KvStore S>
+std::size_t append_limit(const S& cache) {
+  if constexpr (requires {
+                  { cache.max_append() } -> std::same_as<std::size_t>;
+                }) {
+    return cache.max_append();
+  } else {
+    return cache.capacity() - cache.size();
+  }
+}
+
+}  // namespace detail
 
 // ---------------------------------------------------------------------------------------------
 // Drafters
@@ -258,193 +272,71 @@ void speculative_rollback(S& cache, std::size_t keep) {
   if (drop > 0) cache.truncate(keep);
 }
 
-struct SpeculativeOptions {
+// ---------------------------------------------------------------------------------------------
+// The option generate() takes
+
+/// A non-owning handle on any Drafter, so that GenerationOptions can name one without being a
+/// template: two function pointers, called once per target pass (not per token). The drafter
+/// must outlive the handle's use.
+class DrafterRef {
+ public:
+  DrafterRef() = default;
+  template <Drafter D>
+  explicit DrafterRef(D& drafter)
+      : object_(const_cast<void*>(static_cast<const void*>(&drafter))),
+        draft_([](void* o, std::span<const std::int32_t> context, std::span<std::int32_t> out) {
+          return static_cast<D*>(o)->draft(context, out);
+        }),
+        distribution_([](const void* o, std::size_t i) -> std::span<const double> {
+          if constexpr (requires(const D& d) { d.distribution(std::size_t{0}); }) {
+            return static_cast<const D*>(o)->distribution(i);
+          } else {
+            return {};
+          }
+        }) {}
+
+  explicit operator bool() const { return object_ != nullptr; }
+  std::size_t draft(std::span<const std::int32_t> context, std::span<std::int32_t> out) const {
+    return draft_(object_, context, out);
+  }
+  /// The drafter's distribution(i), empty for a deterministic drafter.
+  std::span<const double> distribution(std::size_t i) const { return distribution_(object_, i); }
+
+ private:
+  void* object_ = nullptr;
+  std::size_t (*draft_)(void*, std::span<const std::int32_t>, std::span<std::int32_t>) = nullptr;
+  std::span<const double> (*distribution_)(const void*, std::size_t) = nullptr;
+};
+
+/// Speculative decoding as generate() runs it (GenerationOptions::speculation): none, prompt
+/// lookup, or any drafter the caller owns (a DraftModelDrafter: a smaller model on its own
+/// store).
+struct Speculation {
+  enum class Kind { kNone, kPromptLookup, kDrafter };
+  Kind kind = Kind::kNone;
   /// k: tokens drafted per target pass. A pass runs k + 1 tokens, capped by the Activations'
   /// max_chunk, the few-token GEMM's width and speculative_append_limit(); 0 = plain decoding.
   std::size_t max_draft = 4;
-};
+  PromptLookupOptions lookup{};  ///< the n-gram sizes of kPromptLookup
+  DrafterRef drafter{};          ///< the drafter of kDrafter
 
-struct SpeculativeStats : GenerationStats {
-  std::size_t target_passes = 0;  ///< target forward passes after the prompt (verify or decode)
-  std::size_t drafted = 0;        ///< tokens proposed and verified
-  std::size_t accepted = 0;       ///< proposals the target kept
-  double draft_ms = 0;            ///< inside the drafter (part of decode_ms)
-  double acceptance_rate() const {
-    return drafted > 0 ? static_cast<double>(accepted) / static_cast<double>(drafted) : 0;
+  static Speculation prompt_lookup(std::size_t k = 4, const PromptLookupOptions& options = {}) {
+    return {.kind = Kind::kPromptLookup, .max_draft = k, .lookup = options};
   }
-  /// Generated tokens per target pass after the first token (1 for plain decoding).
-  double tokens_per_pass() const {
-    return target_passes > 0
-               ? static_cast<double>(decode_steps()) / static_cast<double>(target_passes)
-               : 0;
+  template <Drafter D>
+  static Speculation with_drafter(D& drafter, std::size_t k = 4) {
+    return {.kind = Kind::kDrafter, .max_draft = k, .drafter = DrafterRef(drafter)};
   }
 };
 
-/// generate() with speculation: the same contract (prompt after what the cache holds, on_token
-/// for every generated token, which may return false to stop; the store ends holding every
-/// generated token but the last), with tokens proposed by `drafter` and verified k + 1 at a
-/// time. sampling.temperature 0 gives exactly generate()'s greedy tokens. Otherwise each
-/// proposal d is kept with probability min(1, p(d) / q(d)) (p the target's distribution as
-/// Sampler defines it, q the drafter's, one-hot for a deterministic drafter) and a rejection
-/// draws from norm(max(0, p - q)): the tokens follow the target's distribution, though not
-/// Sampler's random stream. act needs max_chunk ≥ k + 1 for a pass to be one chunk.
-/// options.use_cache is ignored (always cached).
-template <class T, class W, KvStore S, Drafter D, class OnToken>
-SpeculativeStats speculative_generate(const Model<T, W>& model, S& cache, Activations<T>& act,
-                                      std::span<const std::int32_t> prompt,
-                                      const SamplerOptions& sampling, D& drafter,
-                                      const GenerationOptions& options,
-                                      const SpeculativeOptions& spec, OnToken&& on_token) {
-  using Clock = std::chrono::steady_clock;
-  const auto ms = [](Clock::duration d) {
-    return std::chrono::duration<double, std::milli>(d).count();
-  };
-  KVDECODE_CHECK(!prompt.empty(),
-                 "speculative_generate: the prompt has no tokens (start it with BOS, or "
-                 "give at least the last token after the cached ones)");
-  KVDECODE_CHECK(prompt.size() <= cache.capacity() - cache.size(),
-                 "speculative_generate: the "
-                 "prompt has ",
-                 prompt.size(), " tokens but the cache, holding ", cache.size(), " of at most ",
-                 cache.capacity(), " positions, has room for ", cache.capacity() - cache.size());
-  KVDECODE_CHECK(sampling.temperature >= 0 && std::isfinite(sampling.temperature),
-                 "speculative_generate: temperature must be a finite number >= 0, got ",
-                 sampling.temperature);
-  const auto vocab = static_cast<std::size_t>(model.config().vocab_size);
-  const bool greedy = sampling.temperature == 0;
-  // One pass: k + 1 tokens, within one chunk and the few-token GEMM, whose products equal the
-  // single-token ones bit for bit (so greedy verification agrees with plain decoding).
-  const std::size_t max_pass = std::max<std::size_t>(
-      1, std::min({spec.max_draft + 1, act.max_chunk, detail::kMaxFewTokens}));
-  SpeculativeStats stats;
-  stats.cached_tokens = cache.size();
-  stats.prompt_tokens = prompt.size();
-  // Scratch, allocated once per call.
-  std::vector<T> all_logits(max_pass * vocab);          // [max_pass][vocab] every row of a pass
-  std::vector<std::int32_t> pass(max_pass);             // [max_pass] the fed token, then proposals
-  std::vector<std::int32_t> context;                    // [capacity] the tokens so far
-  std::vector<double> p(greedy ? 0 : vocab);            // [vocab] target distribution of a row
-  std::vector<std::int32_t> order(greedy ? 0 : vocab);  // [vocab] sampling_distribution scratch
-  context.reserve(cache.capacity() + 1);
-  XorShiftRng rng(sampling.seed);
+/// The most proposals one pass verifies: a pass of k + 1 tokens stays within the few-token GEMM,
+/// whose products equal decoding's bit for bit. A larger k is capped to it.
+inline constexpr std::size_t kMaxSpeculativeDraft = detail::kMaxFewTokens - 1;
 
-  const auto pick = [&](std::span<const T> logits) {  // a token from the target's row
-    if (greedy) return Sampler::argmax(logits);
-    detail::sampling_distribution(logits, sampling, std::span<double>(p),
-                                  std::span<std::int32_t>(order));
-    return detail::draw(p, detail::coin(rng));
-  };
-  bool stop = false;
-  const auto emit = [&](std::int32_t token) {  // hands a token out; false when generation ends
-    ++stats.generated_tokens;
-    bool go_on = true;
-    if constexpr (std::is_same_v<std::invoke_result_t<OnToken&, std::int32_t>, bool>) {
-      go_on = on_token(token);
-    } else {
-      on_token(token);
-    }
-    if (token == options.stop_token) {
-      stats.hit_stop_token = true;
-      go_on = false;
-    }
-    if (stats.generated_tokens == options.max_new_tokens) go_on = false;
-    stop = !go_on;
-    return go_on;
-  };
-
-  // The prompt exactly as generate() feeds it.
-  const auto start = Clock::now();
-  stats.prompt_tokens_decoded =
-      prompt.size() - std::min(prompt.size(), detail::append_limit(cache));
-  {
-    const std::size_t at_once = std::min(prompt.size(), detail::append_limit(cache));
-    std::span<const T> logits = model.prefill(prompt.first(at_once), cache, act);
-    for (const std::int32_t token : prompt.subspan(at_once))
-      logits = model.decode(token, cache, act);
-    stats.prefill_ms = ms(Clock::now() - start);
-    if (options.max_new_tokens == 0) return stats;
-    const auto decode_start = Clock::now();
-    std::int32_t token = pick(logits);
-    stats.ttft_ms = ms(Clock::now() - start);
-    emit(token);
-
-    while (!stop) {
-      if (cache.size() == cache.capacity()) {
-        stats.hit_capacity = true;
-        break;
-      }
-      // A pass emits at most as many tokens as it runs.
-      const std::size_t n_max = std::min({max_pass, speculative_append_limit(cache),
-                                          options.max_new_tokens - stats.generated_tokens});
-      std::size_t drafted = 0;
-      if (n_max > 1) {
-        const auto draft_start = Clock::now();
-        const std::span<const std::int32_t> held = cache.tokens();
-        context.assign(held.begin(), held.end());
-        context.push_back(token);
-        drafted = drafter.draft(std::span<const std::int32_t>(context),
-                                std::span<std::int32_t>(pass).subspan(1, n_max - 1));
-        KVDECODE_CHECK(drafted < n_max, "speculative_generate: the drafter proposed ", drafted,
-                       " tokens, at most ", n_max - 1, " were asked for");
-        stats.draft_ms += ms(Clock::now() - draft_start);
-      }
-      ++stats.target_passes;
-      if (drafted == 0) {  // a plain decode step
-        token = pick(model.decode(token, cache, act));
-        emit(token);
-        continue;
-      }
-      const std::size_t n = drafted + 1;
-      pass[0] = token;
-      const std::size_t first = cache.size();
-      model.prefill(std::span<const std::int32_t>(pass).first(n), cache, act,
-                    std::span<T>(all_logits).first(n * vocab));
-      stats.drafted += drafted;
-      // Row i is the target's next-token logits after pass[0..i]; pass[i + 1] is proposal i.
-      std::size_t emitted = 0;
-      for (std::size_t i = 0; i < n && !stop; ++i) {
-        const std::span<const T> row(all_logits.data() + i * vocab, vocab);
-        bool kept = false;
-        if (i == drafted) {  // every proposal kept: the row after the last gives one more
-          token = pick(row);
-        } else if (greedy) {
-          token = Sampler::argmax(row);
-          kept = token == pass[i + 1];
-        } else {
-          const std::int32_t d = pass[i + 1];
-          detail::sampling_distribution(row, sampling, std::span<double>(p),
-                                        std::span<std::int32_t>(order));
-          std::span<const double> q;
-          if constexpr (requires { drafter.distribution(i); }) q = drafter.distribution(i);
-          const auto ud = static_cast<std::size_t>(d);
-          const double qd = q.empty() ? 1.0 : q[ud];
-          kept = detail::coin(rng) * qd < p[ud];  // probability min(1, p(d) / q(d))
-          if (kept) {
-            token = d;
-          } else {  // residual norm(max(0, p - q)); p itself where it is empty (p ≤ q)
-            double mass = 0;
-            for (std::size_t v = 0; v < vocab; ++v) {
-              const double r = std::max(0.0, p[v] - (q.empty() ? (v == ud ? 1.0 : 0.0) : q[v]));
-              mass += r;
-            }
-            if (mass > 0) {
-              for (std::size_t v = 0; v < vocab; ++v)
-                p[v] = std::max(0.0, p[v] - (q.empty() ? (v == ud ? 1.0 : 0.0) : q[v])) / mass;
-            }
-            token = detail::draw(p, detail::coin(rng));
-          }
-        }
-        ++emitted;
-        if (kept) ++stats.accepted;
-        emit(token);
-        if (!kept) break;
-      }
-      // The store keeps the fed token and the kept proposals that were handed out but the last.
-      speculative_rollback(cache, first + emitted);
-    }
-    stats.decode_ms = ms(Clock::now() - decode_start);
-  }
-  return stats;
-}
+/// speculative_generate()'s pass size.
+struct SpeculativeOptions {
+  /// k: as Speculation::max_draft.
+  std::size_t max_draft = 4;
+};
 
 }  // namespace kvdecode
