@@ -43,6 +43,21 @@ fs::path gguf(std::string_view variant) {
   return fs::path(KVDECODE_GGUF_DIR) / ("tiny_" + std::string(variant) + ".gguf");
 }
 
+std::vector<std::byte> file_bytes(const fs::path& p) {
+  const std::string s = read_text(p);
+  std::vector<std::byte> b(s.size());
+  std::memcpy(b.data(), s.data(), s.size());
+  return b;
+}
+void put_u32(std::vector<std::byte>& b, std::uint64_t at, std::uint32_t v) {
+  for (int k = 0; k < 4; ++k)
+    b[at + static_cast<std::uint64_t>(k)] = static_cast<std::byte>(v >> (8 * k));
+}
+void put_u64(std::vector<std::byte>& b, std::uint64_t at, std::uint64_t v) {
+  for (int k = 0; k < 8; ++k)
+    b[at + static_cast<std::uint64_t>(k)] = static_cast<std::byte>(v >> (8 * k));
+}
+
 std::string error_of(const std::function<void()>& fn) {
   try {
     fn();
@@ -309,23 +324,42 @@ TEST(GgufModelTest, RefusesFeaturesTheLibraryDoesNotRun) {
               HasSubstr("llama.expert_count is 8; mixture-of-experts"));
 }
 
+// v2 differs from v3 only in allowing big-endian files, so the same bytes read as v2.
+TEST(GgufTest, ReadsVersion2) {
+  std::vector<std::byte> bytes = file_bytes(gguf("f32"));
+  bytes[4] = std::byte{2};
+  const GgufFile g = GgufFile::parse(bytes, "v2.gguf");
+  EXPECT_EQ(g.version(), 2u);
+  EXPECT_EQ(load_gguf_weights<float>(g).bytes(), reference().weights.bytes());
+}
+
+// Each limit refuses the fixture before its field is read into memory.
+TEST(GgufTest, LimitsRefuseBeforeReading) {
+  const auto open_with = [](GgufLimits limits) {
+    return error_of([&] { GgufFile::open(gguf("f32"), limits); });
+  };
+  GgufLimits l;
+  l.max_tensors = 10;  // the fixture has 20
+  EXPECT_THAT(open_with(l),
+              HasSubstr("tensor count at byte 8 is 20, more than GgufLimits::max_tensors = 10"));
+  l = {};
+  l.max_kv = 5;
+  EXPECT_THAT(open_with(l), HasSubstr("GgufLimits::max_kv = 5"));
+  l = {};
+  l.max_array_length = 511;  // the vocabulary has 512 tokens
+  EXPECT_THAT(open_with(l), HasSubstr("'tokenizer.ggml.tokens': array length at byte"));
+  l = {};
+  l.max_string_bytes = 8;
+  EXPECT_THAT(open_with(l), HasSubstr("more than GgufLimits::max_string_bytes = 8"));
+  l = {};
+  l.max_dim = 100;  // vocab_size is 512
+  EXPECT_THAT(open_with(l), HasSubstr("tensor 'token_embd.weight'"));
+  EXPECT_THAT(error_of([] { load_model(gguf("f32"), GgufLimits{.max_tensors = 1}); }),
+              HasSubstr("max_tensors = 1"));
+}
+
 // ---------------------------------------------------------------------------------------------
 // Malformed files: each damage to the converted f32 file gives an Error naming it.
-
-std::vector<std::byte> file_bytes(const fs::path& p) {
-  const std::string s = read_text(p);
-  std::vector<std::byte> b(s.size());
-  std::memcpy(b.data(), s.data(), s.size());
-  return b;
-}
-void put_u32(std::vector<std::byte>& b, std::uint64_t at, std::uint32_t v) {
-  for (int k = 0; k < 4; ++k)
-    b[at + static_cast<std::uint64_t>(k)] = static_cast<std::byte>(v >> (8 * k));
-}
-void put_u64(std::vector<std::byte>& b, std::uint64_t at, std::uint64_t v) {
-  for (int k = 0; k < 8; ++k)
-    b[at + static_cast<std::uint64_t>(k)] = static_cast<std::byte>(v >> (8 * k));
-}
 
 struct Damage {
   const char* name;

@@ -9,6 +9,7 @@
 #include <fstream>
 #include <optional>
 #include <string>
+#include <type_traits>
 
 #include "kvdecode/error.hpp"
 #include "kvdecode/io/checkpoint.hpp"
@@ -43,21 +44,23 @@ inline ModelFormat detect_model_format(const std::filesystem::path& file) {
 }
 
 /// Loads a GGUF file (io/gguf_model.hpp, with its vocabulary when tokenizer.ggml.model is
-/// present) or a llama2.c v0 checkpoint (io/checkpoint.hpp), into weights of type T.
+/// present) or a llama2.c v0 checkpoint (io/checkpoint.hpp), into weights of type T, each under
+/// its format's limits.
 template <class T = float>
-LoadedModel<T> load_model(const std::filesystem::path& file) {
+LoadedModel<T> load_model(const std::filesystem::path& file, const GgufLimits& gguf_limits = {},
+                          const CheckpointLimits& checkpoint_limits = {}) {
   LoadedModel<T> out;
   out.format = detect_model_format(file);
   if (out.format == ModelFormat::kGguf) {
-    const GgufFile g = GgufFile::open(file);
+    const GgufFile g = GgufFile::open(file, gguf_limits);
     out.weights = load_gguf_weights<T>(g);
     if (g.find("tokenizer.ggml.model")) out.vocabulary = gguf_vocabulary(g);
     return out;
   }
   if constexpr (std::is_same_v<T, float>) {
-    out.weights = load_checkpoint(file);
+    out.weights = load_checkpoint(file, checkpoint_limits);
   } else {
-    out.weights = convert_weights<T>(load_checkpoint(file));
+    out.weights = convert_weights<T>(load_checkpoint(file, checkpoint_limits));
   }
   return out;
 }
