@@ -452,8 +452,18 @@ TEST(GgufMalformedTest, EachDamageGivesAnErrorNamingIt) {
        },
        "inside tensor"},
       {"truncated data", [](auto& b, auto&) { b.resize(b.size() - 300); }, "which holds"},
+      {"array past the end",
+       [&](auto& b, auto&) {
+         put_u64(b, kv_at("tokenizer.ggml.scores").value.offset - 8, 1u << 20);
+       },
+       "1048576 float32 values at byte"},
+      {"strings past the end",
+       [&](auto& b, auto&) {
+         put_u64(b, kv_at("tokenizer.ggml.tokens").value.offset - 8, 1u << 20);
+       },
+       "1048576 strings (each >= 8 bytes)"},
       {"truncated header",
-       [&](auto& b, auto&) { b.resize(kv_at("tokenizer.ggml.scores").value.offset + 10); },
+       [&](auto& b, auto&) { b.resize(kv_at("tokenizer.ggml.scores").offset + 10); },
        "file ends at byte"},
       {"architecture",
        [&](auto& b, auto&) {

@@ -553,6 +553,7 @@ class GgufFile {
 
     bool overflow = false;
     data_offset_ = gg::align_up(c.pos(), alignment_, overflow);
+    KVDECODE_CHECK(!overflow, ctx, ": the data section's offset overflows 64 bits");
     // A file without tensors may end right after its metadata, unpadded (vocabulary files do).
     KVDECODE_CHECK(tensors_.empty() || data_offset_ <= file_bytes_, ctx,
                    ": the data section starts at byte ", data_offset_, " (after ", c.pos(),
@@ -610,7 +611,9 @@ class GgufFile {
       v.offset = c.pos();
       if (v.element_type == GgufValueType::kString) {
         // Each string takes >= 8 bytes: the length check comes before the reservation.
-        c.need(8 * v.count, detail::concat("the ", v.count, " strings of '", key, "'"));
+        KVDECODE_CHECK(v.count <= c.remaining() / 8, ctx, ": metadata key '", key, "': ", v.count,
+                       " strings (each >= 8 bytes) at byte ", v.offset, " cannot fit in the ",
+                       c.remaining(), " bytes left in the file");
         v.strings.reserve(static_cast<std::size_t>(v.count));
         for (std::uint64_t k = 0; k < v.count; ++k)
           v.strings.push_back(c.string(detail::concat("string ", k, " of '", key, "'"),
@@ -618,6 +621,9 @@ class GgufFile {
         return;
       }
       const std::uint64_t size = gg::scalar_bytes(v.element_type);
+      KVDECODE_CHECK(v.count <= c.remaining() / size, ctx, ": metadata key '", key, "': ", v.count,
+                     " ", gg::value_type_name(et), " values at byte ", v.offset,
+                     " need more than the ", c.remaining(), " bytes left in the file");
       v.raw = c.take(size * v.count, detail::concat("the ", v.count, " ", gg::value_type_name(et),
                                                     " of '", key, "'"));
       if (v.element_type == GgufValueType::kBool) {

@@ -20,7 +20,8 @@
 
 namespace kvdecode {
 
-/// A read-only, private mapping of a regular file. An empty file maps to an empty span.
+/// A read-only, private mapping of a regular file. An empty file maps to an empty span. As with
+/// any mapping, a file truncated by another process while mapped faults on access (SIGBUS).
 class MappedFile {
  public:
   MappedFile() = default;
