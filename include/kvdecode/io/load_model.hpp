@@ -30,13 +30,11 @@ struct LoadedModel {
   std::optional<GgufVocabulary> vocabulary;  ///< GGUF files with tokenizer.ggml.* metadata
 };
 
-/// The format of `file` by its magic: "GGUF" is GGUF, anything else is taken for a v0
-/// checkpoint (which has no magic; its loader then checks the header). Throws Error when the
-/// file cannot be read.
+/// The format of `file` by its magic: "GGUF" is GGUF; anything else, and a file that cannot be
+/// read, is taken for a v0 checkpoint (which has no magic), whose loader then checks the file and
+/// names what is wrong with it.
 inline ModelFormat detect_model_format(const std::filesystem::path& file) {
   std::ifstream in(file, std::ios::binary);
-  KVDECODE_CHECK(in.is_open(), "model '", file.string(), "': cannot open for reading",
-                 std::filesystem::exists(file) ? "" : " (file does not exist)");
   std::array<std::byte, 4> magic{};
   in.read(reinterpret_cast<char*>(magic.data()), 4);
   if (in.gcount() == 4 && GgufFile::has_magic(magic)) return ModelFormat::kGguf;
