@@ -19,6 +19,7 @@
 #include <iterator>
 #include <kvdecode/io/cache_file.hpp>
 #include <kvdecode/io/checkpoint.hpp>
+#include <kvdecode/io/load_model.hpp>
 #include <kvdecode/kvdecode.hpp>
 #include <kvdecode/text/tokenizer.hpp>
 #include <limits>
@@ -105,13 +106,15 @@ void declare(CLI::App& app, Options& o) {
 
   const char* model = "Model";
   app.add_option("-m,--model", o.model,
-                 "llama2.c checkpoint (v0 format), e.g. stories15M.bin. Default: the bundled "
+                 "llama2.c checkpoint (v0 format), e.g. stories15M.bin, or a GGUF file of the "
+                 "llama architecture (f32, f16, bf16, q8_0 or q4_0 tensors). Default: the bundled "
                  "models/kjv_tiny.bin (2.36M parameters trained on the King James Bible). "
                  "\"demo\": the library's demo model, deterministic random weights (its text is "
                  "noise, its timings are real); also used when kjv_tiny.bin is missing")
       ->group(model);
   app.add_option("--tokenizer", o.tokenizer,
-                 "llama2.c tokenizer.bin (default: tokenizer.bin beside the model); must have "
+                 "llama2.c tokenizer.bin (default: the GGUF file's vocabulary, or tokenizer.bin "
+                 "beside a checkpoint); must have "
                  "the checkpoint's vocabulary size")
       ->group(model);
   cli::choice(app, "--weights", o.weights,
@@ -432,7 +435,12 @@ Source load_source(const Options& o) {
     return {"demo (random weights)", kvdecode::demo_weights<float>(), std::move(tokenizer),
             kStoriesPrompt, ms_since(t0)};
   }
-  kvdecode::Weights<float> weights = kvdecode::load_checkpoint(model);
+  kvdecode::LoadedModel<float> loaded = kvdecode::load_model(model);
+  kvdecode::Weights<float> weights = std::move(loaded.weights);
+  if (loaded.vocabulary && o.tokenizer.empty()) {
+    return {model.string(), std::move(weights), std::move(loaded.vocabulary->tokenizer),
+            kStoriesPrompt, ms_since(t0)};
+  }
   const fs::path tok =
       o.tokenizer.empty() ? model.parent_path() / "tokenizer.bin" : fs::path(o.tokenizer);
   std::optional<Tokenizer> tokenizer;

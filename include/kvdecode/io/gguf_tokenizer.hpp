@@ -1,0 +1,130 @@
+// The vocabulary of a GGUF file (tokenizer.ggml.* metadata) as a Tokenizer: the "llama" model
+// (SentencePiece: pieces, scores, byte fallback <0xXX>) whose layout is llama2.c's, so run.c's
+// encode applies unchanged. docs/FORMATS.md §4.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "kvdecode/error.hpp"
+#include "kvdecode/io/gguf.hpp"
+#include "kvdecode/text/tokenizer.hpp"
+
+namespace kvdecode {
+
+/// A GGUF file's vocabulary and the special-token settings stored with it.
+struct GgufVocabulary {
+  Tokenizer tokenizer;
+  std::int32_t bos_id = Tokenizer::kBos;
+  std::int32_t eos_id = Tokenizer::kEos;
+  bool add_bos = true;   ///< tokenizer.ggml.add_bos_token (default true for "llama")
+  bool add_eos = false;  ///< tokenizer.ggml.add_eos_token
+};
+
+namespace detail::gguf {
+
+// SentencePiece marks a space as U+2581 ("▁"); llama2.c's tokenizer.bin stores it as ' '.
+inline constexpr std::string_view kSpaceMark = "\xE2\x96\x81";
+
+inline std::string spaces_from_marks(std::string_view piece) {
+  std::string out;
+  out.reserve(piece.size());
+  for (std::size_t k = 0; k < piece.size();) {
+    if (piece.substr(k, kSpaceMark.size()) == kSpaceMark) {
+      out += ' ';
+      k += kSpaceMark.size();
+    } else {
+      out += piece[k++];
+    }
+  }
+  return out;
+}
+
+}  // namespace detail::gguf
+
+/// Builds the Tokenizer of a GGUF file whose tokenizer.ggml.model is "llama". The existing
+/// Tokenizer implements run.c's rules, so the vocabulary must have run.c's layout; throws Error
+/// naming the file and the key when it does not: another tokenizer model (e.g. "gpt2"),
+/// tokens/scores/token_type arrays of the wrong type or length, BOS/EOS ids other than 1/2, ids
+/// 3..258 not the byte pieces <0x00>..<0xFF>, or add_space_prefix false. "▁" becomes ' '.
+inline GgufVocabulary gguf_vocabulary(const GgufFile& g) {
+  namespace gg = detail::gguf;
+  const std::string ctx = g.context();
+  const std::string_view model = g.get_string("tokenizer.ggml.model");
+  KVDECODE_CHECK(model == "llama", ctx, ": tokenizer.ggml.model is '", model,
+                 "'; only 'llama' (SentencePiece with byte fallback) is supported");
+  const GgufValue& tokens = g.get("tokenizer.ggml.tokens");
+  KVDECODE_CHECK(
+      tokens.type == GgufValueType::kArray && tokens.element_type == GgufValueType::kString, ctx,
+      ": tokenizer.ggml.tokens (at byte ", tokens.offset, ") has type ",
+      GgufFile::type_label(tokens), ", expected array of string");
+  const std::uint64_t n = tokens.count;
+  KVDECODE_CHECK(
+      n >= 3 && n <= static_cast<std::uint64_t>(std::numeric_limits<std::int32_t>::max()), ctx,
+      ": tokenizer.ggml.tokens holds ", n, " tokens, expected 3..2^31-1");
+  const auto numeric_array = [&](const char* key) -> const GgufValue* {
+    const GgufValue* v = g.find(key);
+    if (v == nullptr) return nullptr;
+    KVDECODE_CHECK(v->type == GgufValueType::kArray && v->element_type != GgufValueType::kString,
+                   ctx, ": ", key, " (at byte ", v->offset, ") has type ", GgufFile::type_label(*v),
+                   ", expected a numeric array");
+    KVDECODE_CHECK(v->count == n, ctx, ": ", key, " holds ", v->count,
+                   " values, but tokenizer.ggml.tokens holds ", n);
+    return v;
+  };
+  const GgufValue* scores = numeric_array("tokenizer.ggml.scores");
+  numeric_array("tokenizer.ggml.token_type");
+
+  const auto special = [&](const char* key, std::int32_t run_c_id) {
+    if (!g.find(key)) return run_c_id;
+    const auto id = static_cast<std::int32_t>(g.get_int(key, 0, static_cast<std::int64_t>(n) - 1));
+    KVDECODE_CHECK(id == run_c_id, ctx, ": ", key, " is ", id, "; the tokenizer needs ", run_c_id,
+                   " (llama2.c's layout: <unk> 0, BOS 1, EOS 2)");
+    return id;
+  };
+  const std::int32_t bos_id = special("tokenizer.ggml.bos_token_id", Tokenizer::kBos);
+  const std::int32_t eos_id = special("tokenizer.ggml.eos_token_id", Tokenizer::kEos);
+  const bool add_bos =
+      g.find("tokenizer.ggml.add_bos_token") ? g.get_bool("tokenizer.ggml.add_bos_token") : true;
+  const bool add_eos =
+      g.find("tokenizer.ggml.add_eos_token") ? g.get_bool("tokenizer.ggml.add_eos_token") : false;
+  if (g.find("tokenizer.ggml.add_space_prefix")) {
+    KVDECODE_CHECK(g.get_bool("tokenizer.ggml.add_space_prefix"), ctx,
+                   ": tokenizer.ggml.add_space_prefix is false; the tokenizer always adds the "
+                   "dummy prefix (as run.c)");
+  }
+
+  std::vector<std::string> pieces;
+  std::vector<float> piece_scores;
+  pieces.reserve(static_cast<std::size_t>(n));
+  piece_scores.reserve(static_cast<std::size_t>(n));
+  std::size_t longest = 1;
+  for (std::uint64_t id = 0; id < n; ++id) {
+    std::string piece = gg::spaces_from_marks(tokens.strings[static_cast<std::size_t>(id)]);
+    if (id >= Tokenizer::kByteIdOffset && id < Tokenizer::kByteIdOffset + 256) {
+      const auto byte = static_cast<int>(id) - Tokenizer::kByteIdOffset;
+      const bool is_byte = piece.size() == 6 && detail::parse_byte_piece(piece) == byte;
+      KVDECODE_CHECK(is_byte, ctx, ": token ", id, " is '", piece, "', expected the byte piece <0x",
+                     "0123456789ABCDEF"[byte >> 4], "0123456789ABCDEF"[byte & 15],
+                     "> (byte fallback needs id = byte + 3, as llama2.c)");
+    }
+    longest = std::max(longest, piece.size());
+    pieces.push_back(std::move(piece));
+    piece_scores.push_back(scores ? static_cast<float>(scores->number_at(id)) : 0.0f);
+  }
+  try {
+    return {Tokenizer(pieces, std::move(piece_scores), static_cast<std::uint32_t>(longest)), bos_id,
+            eos_id, add_bos, add_eos};
+  } catch (const Error& e) {
+    std::string_view m = e.what();
+    if (m.starts_with("kvdecode: ")) m.remove_prefix(10);
+    KVDECODE_FAIL(ctx, ": tokenizer.ggml.tokens: ", m);
+  }
+}
+
+}  // namespace kvdecode

@@ -1,0 +1,66 @@
+// load_model(): a model file of either format the library reads, told apart by its first bytes:
+// GGUF (magic "GGUF": weights, config and vocabulary in one file) or a llama2.c v0 checkpoint
+// (weights only; its tokenizer.bin is a separate file).
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <optional>
+#include <string>
+#include <type_traits>
+
+#include "kvdecode/error.hpp"
+#include "kvdecode/io/checkpoint.hpp"
+#include "kvdecode/io/gguf.hpp"
+#include "kvdecode/io/gguf_model.hpp"
+#include "kvdecode/io/gguf_tokenizer.hpp"
+#include "kvdecode/model/weights.hpp"
+
+namespace kvdecode {
+
+enum class ModelFormat { kLlama2cCheckpoint, kGguf };
+
+/// What a model file holds: the weights, and the vocabulary when the file stores one.
+template <class T>
+struct LoadedModel {
+  ModelFormat format = ModelFormat::kLlama2cCheckpoint;
+  Weights<T> weights;
+  std::optional<GgufVocabulary> vocabulary;  ///< GGUF files with tokenizer.ggml.* metadata
+};
+
+/// The format of `file` by its magic: "GGUF" is GGUF; anything else, and a file that cannot be
+/// read, is taken for a v0 checkpoint (which has no magic), whose loader then checks the file and
+/// names what is wrong with it.
+inline ModelFormat detect_model_format(const std::filesystem::path& file) {
+  std::ifstream in(file, std::ios::binary);
+  std::array<std::byte, 4> magic{};
+  in.read(reinterpret_cast<char*>(magic.data()), 4);
+  if (in.gcount() == 4 && GgufFile::has_magic(magic)) return ModelFormat::kGguf;
+  return ModelFormat::kLlama2cCheckpoint;
+}
+
+/// Loads a GGUF file (io/gguf_model.hpp, with its vocabulary when tokenizer.ggml.model is
+/// present) or a llama2.c v0 checkpoint (io/checkpoint.hpp), into weights of type T, each under
+/// its format's limits.
+template <class T = float>
+LoadedModel<T> load_model(const std::filesystem::path& file, const GgufLimits& gguf_limits = {},
+                          const CheckpointLimits& checkpoint_limits = {}) {
+  LoadedModel<T> out;
+  out.format = detect_model_format(file);
+  if (out.format == ModelFormat::kGguf) {
+    const GgufFile g = GgufFile::open(file, gguf_limits);
+    out.weights = load_gguf_weights<T>(g);
+    if (g.find("tokenizer.ggml.model")) out.vocabulary = gguf_vocabulary(g);
+    return out;
+  }
+  if constexpr (std::is_same_v<T, float>) {
+    out.weights = load_checkpoint(file, checkpoint_limits);
+  } else {
+    out.weights = convert_weights<T>(load_checkpoint(file, checkpoint_limits));
+  }
+  return out;
+}
+
+}  // namespace kvdecode
