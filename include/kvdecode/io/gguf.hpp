@@ -1,7 +1,7 @@
 // GgufFile: a reader of the GGUF container (v2 and v3, little-endian), as ggml's docs/gguf.md
 // describes it: header, metadata key/values, tensor infos, aligned tensor data. The file is mapped,
 // not copied; every count, length and offset is checked against GgufLimits and the file size
-// before anything is allocated or read. The format is in docs/FORMATS.md §4.
+// before anything is allocated or read. The format is in docs/FORMATS.md §5.
 #pragma once
 
 #include <algorithm>

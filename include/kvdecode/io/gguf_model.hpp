@@ -1,6 +1,6 @@
 // A llama-architecture model from a GGUF file: ModelConfig from the llama.* metadata and
 // Weights<T> from the tensors, each converted from its stored type (f32, f16, bf16, q8_0, q4_0)
-// into T. Anything the library does not run is refused by name. docs/FORMATS.md §4.
+// into T. Anything the library does not run is refused by name. docs/FORMATS.md §5.
 #pragma once
 
 #include <array>

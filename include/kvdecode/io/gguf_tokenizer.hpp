@@ -1,6 +1,6 @@
 // The vocabulary of a GGUF file (tokenizer.ggml.* metadata) as a Tokenizer: the "llama" model
 // (SentencePiece: pieces, scores, byte fallback <0xXX>) whose layout is llama2.c's, so run.c's
-// encode applies unchanged. docs/FORMATS.md §4.
+// encode applies unchanged. docs/FORMATS.md §5.
 #pragma once
 
 #include <algorithm>
