@@ -236,6 +236,10 @@ void attend_kv_head(const ModelConfig& cfg, const S& store, std::size_t layer, s
         const T new_max = std::max(m[r], tile_max);
         const T correction = std::exp(m[r] - new_max);  // exp(-inf) = 0 on the first tile
         row = (row.array() - new_max).exp();
+        // exp below the smallest normal float is subnormal (a libm exp gives them; Eigen's own
+        // vectorized exp clamps): it adds nothing to an f32 sum, and every multiply-add it
+        // enters takes a slow microcode assist.
+        row = (row.array() >= std::numeric_limits<T>::min()).select(row, T(0));
         l[r] = l[r] * correction + row.sum();
         m[r] = new_max;
         if (correction != T(1)) oh.row(static_cast<Eigen::Index>(r)) *= correction;
