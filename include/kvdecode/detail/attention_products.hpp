@@ -3,7 +3,7 @@
 //   pack_keys  kt [hs][ld] columns [col, col+rows) = k [rows][hs]ᵀ (a key tile, transposed once
 //              and read by every query and every query head that shares the kv head);
 //   scores     s [n][cols] = q [n][hs] · kt [hs][cols] · scale;
-//   pv         o [n][hs] += p [n][rows] · v [rows][hs].
+//   pv         o [n][hs] += p [n][rows] · v [rows][hs] (the block's sum, then added to o).
 // Every output is a plain sum over head_size (scores) or keys (pv) in index order; only the
 // x86 sets have kernels here (the portable set keeps Eigen).
 #pragma once
@@ -97,9 +97,7 @@ KVDECODE_TARGET_AVX512 inline void pv_rows_avx512(float* o, std::size_t o_stride
     __m512 acc[R][4];
     KVDECODE_UNROLL
     for (int i = 0; i < R; ++i) KVDECODE_UNROLL
-    for (int j = 0; j < 4; ++j)
-      acc[i][j] =
-          _mm512_maskz_loadu_ps(m[j], o + static_cast<std::size_t>(i) * o_stride + d0 + 16 * j);
+    for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();
     for (std::size_t c = 0; c < rows; ++c) {
       __m512 vv[4];
       KVDECODE_UNROLL
@@ -114,9 +112,10 @@ KVDECODE_TARGET_AVX512 inline void pv_rows_avx512(float* o, std::size_t o_stride
     }
     KVDECODE_UNROLL
     for (int i = 0; i < R; ++i) KVDECODE_UNROLL
-    for (int j = 0; j < 4; ++j)
-      _mm512_mask_storeu_ps(o + static_cast<std::size_t>(i) * o_stride + d0 + 16 * j, m[j],
-                            acc[i][j]);
+    for (int j = 0; j < 4; ++j) {
+      float* out = o + static_cast<std::size_t>(i) * o_stride + d0 + 16 * j;
+      _mm512_mask_storeu_ps(out, m[j], _mm512_add_ps(_mm512_maskz_loadu_ps(m[j], out), acc[i][j]));
+    }
   }
 }
 
@@ -205,8 +204,7 @@ KVDECODE_TARGET_AVX2 inline void pv_rows_avx2(float* o, std::size_t o_stride, co
     __m256 acc[R][4];
     KVDECODE_UNROLL
     for (int i = 0; i < R; ++i) KVDECODE_UNROLL
-    for (int j = 0; j < 4; ++j)
-      acc[i][j] = _mm256_maskload_ps(o + static_cast<std::size_t>(i) * o_stride + d0 + 8 * j, m[j]);
+    for (int j = 0; j < 4; ++j) acc[i][j] = _mm256_setzero_ps();
     for (std::size_t c = 0; c < rows; ++c) {
       __m256 pb[R];
       KVDECODE_UNROLL
@@ -221,8 +219,10 @@ KVDECODE_TARGET_AVX2 inline void pv_rows_avx2(float* o, std::size_t o_stride, co
     }
     KVDECODE_UNROLL
     for (int i = 0; i < R; ++i) KVDECODE_UNROLL
-    for (int j = 0; j < 4; ++j)
-      _mm256_maskstore_ps(o + static_cast<std::size_t>(i) * o_stride + d0 + 8 * j, m[j], acc[i][j]);
+    for (int j = 0; j < 4; ++j) {
+      float* out = o + static_cast<std::size_t>(i) * o_stride + d0 + 8 * j;
+      _mm256_maskstore_ps(out, m[j], _mm256_add_ps(_mm256_maskload_ps(out, m[j]), acc[i][j]));
+    }
   }
 }
 
@@ -287,9 +287,11 @@ inline void attention_pv(KernelSet ks, float* o, std::size_t o_stride, const flo
 #endif
   static_cast<void>(ks);
   for (std::size_t r = 0; r < n; ++r)
-    for (std::size_t c = 0; c < rows; ++c)
-      for (std::size_t d = 0; d < hs; ++d)
-        o[r * o_stride + d] += p[r * p_stride + c] * v[c * v_stride + d];
+    for (std::size_t d = 0; d < hs; ++d) {
+      float acc = 0.0f;
+      for (std::size_t c = 0; c < rows; ++c) acc += p[r * p_stride + c] * v[c * v_stride + d];
+      o[r * o_stride + d] += acc;
+    }
 }
 
 }  // namespace kvdecode::detail
