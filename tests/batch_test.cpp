@@ -37,12 +37,16 @@ std::vector<T> row(std::span<const T> logits, std::size_t b, std::size_t vocab) 
   return std::vector<T>(r.begin(), r.end());
 }
 
-/// Checks row b of `logits` against the reference logits of tokens' last position.
+/// Checks row b of `logits` against the reference logits of tokens' last position, computed in
+/// double on the model's weights (an f32 reference would add its own rounding to the bound).
 template <class T>
 void expect_reference(const Model<T>& model, const Tokens& tokens, std::span<const T> logits,
                       std::size_t b, const char* what) {
   const auto vocab = static_cast<std::size_t>(model.config().vocab_size);
-  const std::vector<T> want = last_row(model.forward_reference(tokens), vocab);
+  const std::vector<double> want =
+      last_row(forward_reference(convert_weights<double>(model.weights()),
+                                 std::span<const std::int32_t>(tokens)),
+               vocab);
   for (std::size_t i = 0; i < vocab; ++i) {
     const double r = want[i];
     ASSERT_LE(std::abs(static_cast<double>(logits[b * vocab + i]) - r), bound<T>(r))

@@ -114,13 +114,13 @@ double relative_rms(const std::vector<float>& a, const std::vector<float>& b) {
 // breaking the rule does (measured over 20 models). That happens on ~30 % of these small random
 // models. A path that breaks the rule (x kept in f32, truncated, ties rounded away) differs at
 // every input, so it is outside the f32 bound on every model: the test asks that at least half
-// of 12 models agree within the f32 bound at every logit, and that on every model the paths
+// of 24 models agree within the f32 bound at every logit, and that on every model the paths
 // differ by less than half of what keeping x in f32 does (the same weights as an f32 model).
 TEST_P(ModelKernelSetTest, Bf16ChunkingAgreesWithinF32BoundAwayFromRoundingTies) {
   const ModelConfig cfg = odd_config();
   const Tokens tokens = random_tokens(20, cfg.vocab_size, 8);
   std::size_t within_bound = 0;
-  for (std::uint64_t seed = 70; seed < 82; ++seed) {
+  for (std::uint64_t seed = 70; seed < 94; ++seed) {
     const Model<float, bf16> model(convert_weights<bf16>(random_weights<float>(cfg, seed)));
     const Model<float> widened(convert_weights<float>(model.weights()));
     const std::vector<float> whole = prefill_logits(model, tokens, 20);  // gemm_cols
@@ -137,7 +137,7 @@ TEST_P(ModelKernelSetTest, Bf16ChunkingAgreesWithinF32BoundAwayFromRoundingTies)
     EXPECT_LT(relative_rms(ones, whole), rule / 2) << "seed " << seed << ": chunks of 1";
     EXPECT_LT(relative_rms(fives, whole), rule / 2) << "seed " << seed << ": chunks of 5";
   }
-  EXPECT_GE(within_bound, 6u) << "models on which every path agreed within the f32 bound";
+  EXPECT_GE(within_bound, 12u) << "models on which every path agreed within the f32 bound";
 }
 
 // A batched decode step runs each token's GEMV arithmetic (gemm_few) and its own attention, so

@@ -159,6 +159,49 @@ TEST_P(KernelSetTest, GemmFewBf16EqualsEachTokensGemv) {
       }
 }
 
+// gemm_packed (prefill-sized projections where Eigen is narrower than the set): every output
+// within the f32 bound of a sum of `cols` products, f32 and bf16 weights (x rounded as
+// linear_group passes it), on a thread's slice of rows that spans panels and their tails;
+// columns outside the slice are not written.
+template <class W>
+void check_gemm_packed(KernelSet ks) {
+  for (const std::size_t n : {17, 18, 23, 64})
+    for (const std::size_t rows : {1, 17, 64, 65, 130})
+      for (const std::size_t cols : {1, 9, 16, 33, 129, 295}) {
+        const auto w = random_vector<W>(rows * cols, rows * 1000 + cols);
+        auto x = random_vector<float>(n * cols, n * 7 + cols);  // [n][cols]
+        if constexpr (!std::is_same_v<W, float>)
+          detail::round_to_bf16(x.data(), x.data(), x.size());
+        const std::size_t c0 = rows > 1 ? 1 : 0;
+        AlignedBuffer<float> panel(detail::kPanelRows * cols);
+        std::vector<float> y(n * rows, std::numeric_limits<float>::quiet_NaN());  // [n][rows]
+        detail::gemm_packed(ks, y.data(), x.data(), w.data(), n, cols, rows, c0, rows,
+                            panel.data());
+        for (std::size_t t = 0; t < n; ++t) {
+          const std::vector<float> xt(x.begin() + static_cast<std::ptrdiff_t>(t * cols),
+                                      x.begin() + static_cast<std::ptrdiff_t>((t + 1) * cols));
+          std::vector<double> ref, mag;
+          naive_gemv(w, xt, rows, cols, x_exact, ref, mag);
+          for (std::size_t r = 0; r < rows; ++r) {
+            const float got = y[t * rows + r];
+            if (r < c0) {
+              ASSERT_TRUE(std::isnan(got)) << "column outside the slice was written";
+              continue;
+            }
+            ASSERT_LE(std::abs(got - ref[r]), static_cast<double>(cols) * 0x1p-24 * mag[r])
+                << n << " tokens " << rows << "×" << cols << " token " << t << " row " << r;
+          }
+        }
+      }
+}
+
+TEST_P(KernelSetTest, GemmPackedMatchesNaive) {
+  if (!detail::has_gemm_packed<float, float>(ks()))
+    GTEST_SKIP() << kernel_set_name(ks()) << " has no packed GEMM (Eigen's GEMM serves it)";
+  check_gemm_packed<float>(ks());
+  check_gemm_packed<bf16>(ks());
+}
+
 TEST_P(KernelSetTest, GemvRowRangeTouchesOnlyItsRows) {
   const std::size_t rows = 37, cols = 45;
   const auto w = random_vector<float>(rows * cols, 5);

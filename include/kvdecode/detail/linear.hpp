@@ -12,6 +12,7 @@
 #include "kvdecode/bf16.hpp"
 #include "kvdecode/detail/cpu.hpp"
 #include "kvdecode/detail/gemm.hpp"
+#include "kvdecode/detail/gemm_packed.hpp"
 #include "kvdecode/detail/gemv.hpp"
 #include "kvdecode/detail/qgemv.hpp"
 #include "kvdecode/thread_pool.hpp"
@@ -94,7 +95,7 @@ void linear_group_blocks(std::initializer_list<Projection<T, W>> ps, const T* x,
 /// 16 rows); up to kMaxFewTokens tokens with a gemm_few kernel, each weight row is streamed once
 /// for all of them and summed as the GEMV sums it; more tokens run Eigen's GEMM (gemm_cols),
 /// which packs the input once per call and wants large slices, unless this translation unit's
-/// Eigen is narrower than the set's kernels (eigen_gemm_as_wide): then gemm_few, 16 at a time. With
+/// Eigen is narrower than the set's kernels (eigen_gemm_as_wide): then gemm_packed. With
 /// bf16 weights and several tokens, x is rounded once into scratch.x_rounded for every thread (the
 /// rule in gemv.hpp).
 template <class T, class W>
@@ -134,7 +135,8 @@ void linear_group_values(std::initializer_list<Projection<T, W>> ps, const T* x,
       xg = scratch.x_rounded;
     }
   }
-  const bool few = has_gemm_few<T, W>(ks) && (n <= kMaxFewTokens || !eigen_gemm_as_wide(ks));
+  const bool few = has_gemm_few<T, W>(ks) && n <= kMaxFewTokens;
+  const bool packed = !few && has_gemm_packed<T, W>(ks) && !eigen_gemm_as_wide(ks);
   parallel_run(threads, [&](std::size_t t, std::size_t nt) {
     for (const Projection<T, W>& p : ps) {
       const auto [r0, r1] = ThreadPool::share(p.out, nt, t, 16);
@@ -144,9 +146,10 @@ void linear_group_values(std::initializer_list<Projection<T, W>> ps, const T* x,
       if (n == 1) {
         gemv_rows(ks, p.y, p.w, x, r0, r1, in);
       } else if (few) {
-        for (std::size_t t0 = 0; t0 < n; t0 += kMaxFewTokens)
-          gemm_few(ks, p.y + t0 * p.out, xg + t0 * in, p.w, std::min(kMaxFewTokens, n - t0), in,
-                   p.out, r0, r1, panel);
+        gemm_few(ks, p.y, xg, p.w, n, in, p.out, r0, r1, panel);
+      } else if (packed) {
+        if constexpr (std::is_same_v<T, float>)
+          gemm_packed(ks, p.y, xg, p.w, n, in, p.out, r0, r1, panel);
       } else {
         gemm_cols(p.y, xg, p.w, n, in, p.out, r0, r1, panel);
       }

@@ -8,8 +8,10 @@
 #include <cstddef>
 #include <limits>
 #include <span>
+#include <type_traits>
 
 #include "kvdecode/aligned_buffer.hpp"
+#include "kvdecode/detail/attention_products.hpp"
 #include "kvdecode/detail/ops.hpp"
 #include "kvdecode/error.hpp"
 #include "kvdecode/model/model_config.hpp"
@@ -35,7 +37,10 @@ struct AttentionScratch {
         scores(n_threads_ * max_queries * kTile),
         row_max(n_threads_ * kv_mul_ * max_queries),
         row_sum(row_max.size()),
-        block(n_threads_ * store_scratch) {}
+        block(n_threads_ * store_scratch),
+        packed_keys(detail::attention_may_use_kernels<T>()
+                        ? n_threads_ * static_cast<std::size_t>(cfg.head_size()) * kTile
+                        : 0) {}
 
   /// Thread t's score tile [max_queries][kTile] and store scratch [block_scratch_size()].
   T* thread_scores(std::size_t t) { return scores.data() + t * max_queries_ * kTile; }
@@ -46,6 +51,10 @@ struct AttentionScratch {
   /// works on, so threads working on the same head of different sequences never share them.
   T* thread_row_max(std::size_t t) { return row_max.data() + t * kv_mul_ * max_queries_; }
   T* thread_row_sum(std::size_t t) { return row_sum.data() + t * kv_mul_ * max_queries_; }
+  /// Thread t's transposed key tile [head_size][kTile] (only where attention's own products run).
+  T* thread_packed_keys(std::size_t t) {
+    return packed_keys.data() + t * (packed_keys.size() / n_threads_);
+  }
   std::size_t n_threads() const { return n_threads_; }
   std::size_t max_queries() const { return max_queries_; }
 
@@ -56,10 +65,11 @@ struct AttentionScratch {
   std::size_t kv_mul_ = 1;
 
  public:
-  AlignedBuffer<T> scores;   // [n_threads][max_queries][kTile] scores, then probabilities
-  AlignedBuffer<T> row_max;  // [n_threads][kv_mul][max_queries] running max of each query
-  AlignedBuffer<T> row_sum;  // [n_threads][kv_mul][max_queries] running Σ exp(score - max)
-  AlignedBuffer<T> block;    // [n_threads][store.block_scratch_size()] for stores that decode
+  AlignedBuffer<T> scores;       // [n_threads][max_queries][kTile] scores, then probabilities
+  AlignedBuffer<T> row_max;      // [n_threads][kv_mul][max_queries] running max of each query
+  AlignedBuffer<T> row_sum;      // [n_threads][kv_mul][max_queries] running Σ exp(score - max)
+  AlignedBuffer<T> block;        // [n_threads][store.block_scratch_size()] for stores that decode
+  AlignedBuffer<T> packed_keys;  // [n_threads][head_size][kTile] or empty (Eigen's products)
 };
 
 /// Below this many multiply-adds (queries × keys × head_size × heads) attention stays on one
@@ -152,14 +162,22 @@ void attend_kv_head(const ModelConfig& cfg, const S& store, std::size_t layer, s
   std::array<Segment, kTile> segs;  // [n_segs] (a block gives at least one row)
   std::size_t n_segs = 0;
   std::size_t cols = 0;
+  // A build whose Eigen is narrower than the CPU takes the kernel set's products instead.
+  const KernelSet ks = active_kernel_set();
+  const bool own_products = detail::attention_uses_kernels<T>(ks);
+  T* const kt = own_products ? scratch.thread_packed_keys(t) : nullptr;  // [hs][kTile]
 
   const auto flush = [&] {
     if (cols == 0) return;
     // Short blocks gathered for a few queries skip the setup of a GEMV per block; a tile of one
     // block (every tile of a contiguous store) keeps the matrix products.
     const auto key_by_key = [&](const Segment& sg) {
-      return n_segs > 1 && n <= kMaxKeyByKeyQueries && sg.rows < kMinProductRows;
+      return !own_products && n_segs > 1 && n <= kMaxKeyByKeyQueries && sg.rows < kMinProductRows;
     };
+    if constexpr (std::is_same_v<T, float>)
+      if (own_products)
+        for (std::size_t k = 0; k < n_segs; ++k)
+          detail::pack_keys(kt, kTile, segs[k].col, segs[k].keys, segs[k].stride, segs[k].rows, hs);
     const auto ci = static_cast<Eigen::Index>(cols);
     const Segment& last = segs[n_segs - 1];
     // Every query sees every key of the tile unless a key lies past the first query or the
@@ -171,7 +189,11 @@ void attend_kv_head(const ModelConfig& cfg, const S& store, std::size_t layer, s
       const detail::ConstStridedMap<T> qh(q + h * hs, ni, hsi, dims);
       detail::StridedMap<T> oh(out + h * hs, ni, hsi, dims);
       Eigen::Map<RowMatrix<T>> s(tile_scores, ni, ci);
-      for (std::size_t k = 0; k < n_segs; ++k) {
+      if constexpr (std::is_same_v<T, float>)
+        if (own_products)
+          detail::attention_scores(ks, tile_scores, cols, q + h * hs, dim, kt, kTile, n, cols, hs,
+                                   scale);
+      for (std::size_t k = 0; k < n_segs && !own_products; ++k) {
         const Segment& sg = segs[k];
         if (key_by_key(sg)) {
           for (std::size_t c = 0; c < sg.rows; ++c) {
@@ -214,12 +236,22 @@ void attend_kv_head(const ModelConfig& cfg, const S& store, std::size_t layer, s
         const T new_max = std::max(m[r], tile_max);
         const T correction = std::exp(m[r] - new_max);  // exp(-inf) = 0 on the first tile
         row = (row.array() - new_max).exp();
+        // exp below the smallest normal float is subnormal (a libm exp gives them; Eigen's own
+        // vectorized exp clamps): it adds nothing to an f32 sum, and every multiply-add it
+        // enters takes a slow microcode assist.
+        row = (row.array() >= std::numeric_limits<T>::min()).select(row, T(0));
         l[r] = l[r] * correction + row.sum();
         m[r] = new_max;
         if (correction != T(1)) oh.row(static_cast<Eigen::Index>(r)) *= correction;
       }
       for (std::size_t k = 0; k < n_segs; ++k) {
         const Segment& sg = segs[k];
+        if constexpr (std::is_same_v<T, float>)
+          if (own_products) {
+            detail::attention_pv(ks, out + h * hs, dim, tile_scores + sg.col, cols, sg.values,
+                                 sg.stride, n, sg.rows, hs);
+            continue;
+          }
         if (key_by_key(sg)) {
           for (std::size_t c = 0; c < sg.rows; ++c)
             for (std::size_t r = 0; r < n; ++r)
