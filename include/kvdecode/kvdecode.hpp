@@ -25,6 +25,7 @@
 #include "kvdecode/store/memory_planner.hpp"
 #include "kvdecode/store/paged_store.hpp"
 #include "kvdecode/store/q4_store.hpp"
+#include "kvdecode/store/sequence_ledger.hpp"
 #include "kvdecode/store/window_store.hpp"
 #include "kvdecode/text/text_stream.hpp"
 #include "kvdecode/text/tokenizer.hpp"
