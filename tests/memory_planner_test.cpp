@@ -108,7 +108,7 @@ std::vector<Case> cases(const ModelConfig& cfg) {
     c.push_back(make_case<PagedStore<T>>(
         "paged block " + std::to_string(bs), cfg, {.block_size = bs},
         [bs](auto& m, std::size_t n) -> std::uint64_t {
-          BlockPool<T> pool(m, (n + bs - 1) / bs, bs, {.max_seq_len = n});
+          BlockPool<T> pool(m, (n + bs - 1) / bs, bs, {.capacity = n});
           PagedStore<T> seq(pool);
           const std::vector<std::int32_t> tokens(n, 1);
           seq.begin_append(tokens);  // takes every block the positions need

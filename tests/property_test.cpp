@@ -66,7 +66,7 @@ template <class T>
 struct PropertyStore<PagedStore<T>> {
   struct Holder {
     Holder(const ModelConfig& cfg, std::size_t capacity)
-        : pool(cfg, (capacity + 2) / 3, 3, {.max_seq_len = capacity}), store(pool) {}
+        : pool(cfg, (capacity + 2) / 3, 3, {.capacity = capacity}), store(pool) {}
     BlockPool<T> pool;
     PagedStore<T> store;
   };

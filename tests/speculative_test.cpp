@@ -617,7 +617,7 @@ TEST(SpeculativePropertyTest, RandomVerifyAndRollbackMatchTheRecompute) {
   {
     // The tested sequence is a fork of one holding 4 tokens (blocks of 3: a shared partial
     // block); the parent's rows must stay as they were through every step.
-    BlockPool<double> pool(cfg, 16, 3, {.max_seq_len = capacity});
+    BlockPool<double> pool(cfg, 16, 3, {.capacity = capacity});
     PagedStore<double> parent(pool);
     Activations<double> act(cfg, {.max_chunk = 4});
     model.prefill(Tokens{3, 1, 4, 1}, parent, act);

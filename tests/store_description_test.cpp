@@ -176,7 +176,7 @@ TEST(StoreDescriptionTest, MaxAppendIsExactlyWhatBeginAppendAccepts) {
   }
   // A paged sequence is bounded by its pool too: 5 blocks of 4, one of them held by a fork's
   // shared partial block, which the next append must copy.
-  BlockPool<float> pool(cfg, 5, 4, {.max_seq_len = 64});
+  BlockPool<float> pool(cfg, 5, 4, {.capacity = 64});
   PagedStore<float> a(pool);
   append(cfg, a, 6, 6);  // blocks 0 and 1, the second half full
   EXPECT_EQ(a.max_append(), 2 + 3 * 4u);

@@ -250,7 +250,7 @@ struct CacheFileInfo {
   std::uint32_t scalar_bytes = 0;  ///< sizeof the store's Scalar
   ModelFingerprint model;
   std::uint64_t n_layers = 0, n_kv_heads = 0, head_size = 0;  ///< the store's shape
-  std::uint64_t capacity = 0;  ///< the saved store's capacity (a pool's max_seq_len)
+  std::uint64_t capacity = 0;  ///< the saved store's capacity (a pool's capacity)
   std::uint64_t n_tokens = 0;  ///< positions saved, over all sequences of a pool file
   std::array<std::uint64_t, detail::cache_file::kMaxOptions> options{};  ///< file_options()
   std::uint64_t payload_bytes = 0;
@@ -795,7 +795,7 @@ void save_pool(const ModelFingerprint& model, const BlockPool<T>& pool,
   d.n_layers = pool.n_layers();
   d.n_kv_heads = pool.n_kv_heads();
   d.head_size = pool.head_size();
-  d.capacity = pool.max_seq_len();
+  d.capacity = pool.capacity();
   for (std::size_t q = 0; q < sequences.size(); ++q) {
     const PagedStore<T>& s = *sequences[q];
     KVDECODE_CHECK(s.pool() == &pool, ctx, ": sequence ", q, " is not on the pool");

@@ -20,7 +20,7 @@ namespace kvdecode {
 namespace detail {
 /// Rows [row, row + rows) of a chunk that belong to sequence `seq` of a batch, at pending
 /// offsets [pending_first, pending_first + rows) of its store's open append.
-struct BatchSegment {
+struct SequenceRows {
   std::size_t seq = 0;
   std::size_t row = 0;
   std::size_t pending_first = 0;
@@ -80,7 +80,7 @@ struct Activations {
     rope_sin = AlignedBuffer<T>(n * half);
     logits = AlignedBuffer<T>(static_cast<std::size_t>(cfg.vocab_size));
     batch_logits = AlignedBuffer<T>(max_batch * static_cast<std::size_t>(cfg.vocab_size));
-    segments.resize(n);
+    sequence_rows.resize(n);
     attention = AttentionScratch<T>(cfg, n, store_scratch, n_threads);
     if (n > 1) {  // several tokens with bf16 weights widen panels of weight rows and round x
       const auto max_in = static_cast<std::size_t>(std::max(cfg.dim, cfg.hidden_dim));
@@ -104,7 +104,7 @@ struct Activations {
   AlignedBuffer<T> rope_sin;      // [max_chunk] [head_size/2]
   AlignedBuffer<T> logits;        // [vocab_size]              logits of the last token
   AlignedBuffer<T> batch_logits;  // [max_batch][vocab_size] last-token logits of each sequence
-  std::vector<detail::BatchSegment> segments;  // [max_chunk]  of the chunk being run (batches)
+  std::vector<detail::SequenceRows> sequence_rows;  // [max_chunk]  of the chunk being run (batches)
   AttentionScratch<T> attention;
   std::size_t panel_stride = 0;  // kPanelRows × max(dim, hidden_dim) when max_chunk > 1, else 0
   AlignedBuffer<T> panels;       // [n_threads][kPanelRows][max(dim, hidden_dim)] widened weights
