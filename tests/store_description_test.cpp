@@ -102,6 +102,19 @@ void expect_exact_rollback(const char* what, const ModelConfig& cfg, Make make, 
   }
 }
 
+// Cache files record a store by its tag, fixed forever (docs/FORMATS.md): AllStores holds every
+// kind with the tag and name the format gave it, and the cache file names each.
+TEST(StoreDescriptionTest, AllStoresKeepTheirFileTags) {
+  const std::map<std::uint32_t, std::string> fixed = {
+      {1, "contiguous"}, {2, "paged"}, {3, "int8"}, {4, "window"}, {5, "q4"}};
+  std::map<std::uint32_t, std::string> listed;
+  for (const auto& k : detail::cache_file::kStoreKinds) listed.emplace(k.tag, std::string(k.name));
+  EXPECT_EQ(listed, fixed);
+  EXPECT_EQ(AllStores::kSize, fixed.size());
+  for (const auto& [tag, name] : fixed) EXPECT_EQ(detail::cache_file::kind_name(tag), name);
+  EXPECT_EQ(detail::cache_file::kind_name(6), "unknown");
+}
+
 TEST(StoreDescriptionTest, RollingBackMaxExactRollbackEqualsNeverAppending) {
   const ModelConfig cfg = small_config(4, 2, 64);
   for (const std::size_t chunk : {1u, 4u}) {

@@ -18,6 +18,7 @@
 #include "kvdecode/model/rope.hpp"
 #include "kvdecode/model/weights.hpp"
 #include "kvdecode/model/work_counters.hpp"
+#include "kvdecode/store/all_stores.hpp"
 #include "kvdecode/store/block_pool.hpp"
 #include "kvdecode/store/contiguous_store.hpp"
 #include "kvdecode/store/int8_store.hpp"

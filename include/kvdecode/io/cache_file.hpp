@@ -47,6 +47,7 @@
 #include "kvdecode/model/model.hpp"
 #include "kvdecode/model/model_config.hpp"
 #include "kvdecode/model/weights.hpp"
+#include "kvdecode/store/all_stores.hpp"
 #include "kvdecode/store/block_pool.hpp"
 #include "kvdecode/store/contiguous_store.hpp"
 #include "kvdecode/store/int8_store.hpp"
@@ -145,18 +146,17 @@ inline constexpr std::size_t kMaxOptions = 6;
 inline constexpr std::uint32_t kLittleEndian = 1;
 inline constexpr std::uint32_t kBigEndian = 2;
 
-/// The store kinds this header knows, to name a file's tag in messages.
+/// A store kind's file tag and name, to name a file's tag in messages.
 struct StoreKind {
   std::uint32_t tag;
   std::string_view name;
 };
-inline constexpr std::array<StoreKind, 5> kStoreKinds = {{
-    {ContiguousStore<float>::kFileTag, ContiguousStore<float>::kName},
-    {PagedStore<float>::kFileTag, PagedStore<float>::kName},
-    {Int8Store<float>::kFileTag, Int8Store<float>::kName},
-    {WindowStore<float>::kFileTag, WindowStore<float>::kName},
-    {Q4Store<float>::kFileTag, Q4Store<float>::kName},
-}};
+template <template <class> class... Stores>
+constexpr std::array<StoreKind, sizeof...(Stores)> store_kinds(StoreList<Stores...>) {
+  return {{{Stores<float>::kFileTag, Stores<float>::kName}...}};
+}
+/// Every kind of AllStores (store/all_stores.hpp), whose files this header reads.
+inline constexpr auto kStoreKinds = store_kinds(AllStores{});
 
 inline std::string_view kind_name(std::uint32_t tag) {
   for (const StoreKind& k : kStoreKinds)
