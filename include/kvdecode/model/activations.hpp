@@ -38,6 +38,10 @@ struct ActivationsOptions {
   std::size_t max_batch = 1;
   /// The store's block_scratch_size() (0 for stores that read in place).
   std::size_t store_scratch = 0;
+  /// Whether the model's weights are bf16 (Model<float, bf16>), whose multi-token projections
+  /// round their f32 input to bf16 first, into x_rounded. false (f32 or double weights) leaves
+  /// that buffer out; the model refuses such Activations if its weights need it.
+  bool bf16_weights = true;
   /// The threads every step runs on (not owned; kept alive as long as these Activations are
   /// used); nullptr runs everything on the caller.
   ThreadPool* thread_pool = nullptr;
@@ -86,7 +90,9 @@ struct Activations {
       const auto max_in = static_cast<std::size_t>(std::max(cfg.dim, cfg.hidden_dim));
       panel_stride = detail::kPanelRows * max_in;
       panels = AlignedBuffer<T>(n_threads * panel_stride);
-      if constexpr (std::is_same_v<T, float>) x_rounded = AlignedBuffer<T>(n * max_in);
+      if constexpr (std::is_same_v<T, float>) {
+        if (options.bf16_weights) x_rounded = AlignedBuffer<T>(n * max_in);
+      }
     }
   }
 
@@ -109,6 +115,7 @@ struct Activations {
   std::size_t panel_stride = 0;  // kPanelRows × max(dim, hidden_dim) when max_chunk > 1, else 0
   AlignedBuffer<T> panels;       // [n_threads][kPanelRows][max(dim, hidden_dim)] widened weights
   AlignedBuffer<T> x_rounded;    // [max_chunk] [max(dim, hidden_dim)] input rounded to bf16
+                                 // (f32 activations of bf16 weights, max_chunk > 1; else empty)
   /// The threads every step runs on (not owned); nullptr runs everything on the caller.
   ThreadPool* pool = nullptr;
   /// Threads the per-thread scratch was sized for: a pool set later may have at most this many.

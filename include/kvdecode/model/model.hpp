@@ -155,6 +155,12 @@ class Model {
                    "Model: the Activations' pool has ", act.pool == nullptr ? 0 : act.pool->size(),
                    " threads but its scratch was sized for ", act.n_threads,
                    "; pass the pool to the Activations constructor");
+    if constexpr (!std::is_same_v<T, W>) {
+      KVDECODE_CHECK(act.max_chunk == 1 || !act.x_rounded.empty(),
+                     "Model: the Activations were built with bf16_weights = false, but this "
+                     "model's weights are bf16 (its projections of several tokens round their "
+                     "input into Activations::x_rounded)");
+    }
   }
 
   enum class Phase { kPrefill, kDecode };
