@@ -36,7 +36,7 @@ constexpr std::size_t kSinkPositions = 4;       // S, StreamingLLM's choice
 
 /// bench_config()'s 15M shape with a 16448-position context and a small vocabulary.
 ModelConfig long_config() {
-  ModelConfig c = bench_config();
+  ModelConfig c = bench::bench_config();
   c.vocab_size = 512;
   c.seq_len = 16448;
   return c;
