@@ -34,13 +34,9 @@ using namespace kvdecode;
 constexpr std::size_t kWindowPositions = 1024;  // W of both WindowStore policies
 constexpr std::size_t kSinkPositions = 4;       // S, StreamingLLM's choice
 
+/// bench_config()'s 15M shape with a 16448-position context and a small vocabulary.
 ModelConfig long_config() {
-  ModelConfig c;
-  c.dim = 288;
-  c.hidden_dim = 768;
-  c.n_layers = 6;
-  c.n_heads = 6;
-  c.n_kv_heads = 6;
+  ModelConfig c = bench::bench_config();
   c.vocab_size = 512;
   c.seq_len = 16448;
   return c;

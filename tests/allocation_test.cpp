@@ -6,7 +6,9 @@
 #include <gtest/gtest.h>
 
 #include <Eigen/Core>
+#include <algorithm>
 #include <cstdlib>
+#include <vector>
 
 #include "counting_new.hpp"
 #include "kvdecode/kvdecode.hpp"
@@ -72,6 +74,38 @@ TEST(AllocationTest, DecodeStepAllocatesNothingQ4) {
   expect_quantized_decode_allocates_nothing<Q4_0>(nullptr);
   ThreadPool pool(2);
   expect_quantized_decode_allocates_nothing<Q4_0>(&pool);
+}
+
+// Multi-token f32 Activations hold x_rounded, the bf16-rounded input of bf16 weights' GEMMs,
+// only when told the weights are bf16: one buffer (one allocation) of max_chunk × max(dim,
+// hidden_dim) fewer for f32 weights, which prefill exactly as before without it.
+TEST(AllocationTest, ActivationsForF32WeightsLeaveTheBf16InputOut) {
+  const ModelConfig cfg = testing_util::small_config(4, 2, 40);
+  const std::size_t chunk = 8;
+  long before = g_allocations.load();
+  Activations<float> full(cfg, {.max_chunk = chunk});
+  const long full_count = g_allocations.load() - before;
+  before = g_allocations.load();
+  Activations<float> lean(cfg, {.max_chunk = chunk, .bf16_weights = false});
+  const long lean_count = g_allocations.load() - before;
+  EXPECT_EQ(full_count - lean_count, 1);
+  EXPECT_EQ(full.x_rounded.size(),
+            chunk * static_cast<std::size_t>(std::max(cfg.dim, cfg.hidden_dim)));
+  EXPECT_TRUE(lean.x_rounded.empty());
+
+  const Model<float> model(random_weights<float>(cfg, 3));
+  const auto tokens = testing_util::random_tokens(20, cfg.vocab_size, 2);
+  ContiguousStore<float> a(cfg), b(cfg);
+  const auto la = model.prefill(tokens, a, full);
+  const std::vector<float> expected(la.begin(), la.end());
+  const auto lb = model.prefill(tokens, b, lean);
+  EXPECT_EQ(std::vector<float>(lb.begin(), lb.end()), expected);
+
+  // bf16 weights need the buffer: the model refuses lean Activations before touching the store.
+  const Model<float, bf16> rounded(convert_weights<bf16>(random_weights<float>(cfg, 3)));
+  ContiguousStore<float> c(cfg);
+  EXPECT_THROW(rounded.prefill(tokens, c, lean), Error);
+  EXPECT_EQ(c.size(), 0u);
 }
 
 // The counter itself works: each kind of allocation is seen, once.

@@ -19,6 +19,7 @@
 #include <utility>
 #include <vector>
 
+#include "cache_file_util.hpp"
 #include "kvdecode/io/cache_file.hpp"
 #include "kvdecode/kvdecode.hpp"
 #include "test_util.hpp"
@@ -42,42 +43,17 @@ using kvdecode::Q4Store;
 using kvdecode::WindowOptions;
 using kvdecode::WindowPolicy;
 using kvdecode::WindowStore;
+using kvdecode::testing_util::error_of;
+using kvdecode::testing_util::put_u32;
+using kvdecode::testing_util::put_u64;
 using kvdecode::testing_util::random_tokens;
+using kvdecode::testing_util::read_bytes;
+using kvdecode::testing_util::reseal;
 using kvdecode::testing_util::small_config;
+using kvdecode::testing_util::write_bytes;
 using ::testing::AllOf;
 using ::testing::HasSubstr;
 using Tokens = std::vector<std::int32_t>;
-
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
-
-std::vector<unsigned char> read_bytes(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-}
-
-void write_bytes(const fs::path& p, const std::vector<unsigned char>& b) {
-  std::ofstream out(p, std::ios::binary | std::ios::trunc);
-  out.write(reinterpret_cast<const char*>(b.data()), static_cast<std::streamsize>(b.size()));
-}
-
-void put_u32(std::vector<unsigned char>& b, std::size_t at, std::uint32_t v) {
-  for (std::size_t i = 0; i < 4; ++i) b[at + i] = static_cast<unsigned char>(v >> (8 * i));
-}
-void put_u64(std::vector<unsigned char>& b, std::size_t at, std::uint64_t v) {
-  for (std::size_t i = 0; i < 8; ++i) b[at + i] = static_cast<unsigned char>(v >> (8 * i));
-}
-
-/// The header checksum recomputed after an edit (XXH3-64 of bytes [0, 224), as a forger would).
-void reseal_header(std::vector<unsigned char>& b) {
-  put_u64(b, cf::kOffHeaderHash, XXH3_64bits(b.data(), cf::kOffHeaderHash));
-}
 
 // ---------------------------------------------------------------------------------------------
 // The kinds: how to make each store, a variant with other options, and its logit bound against
@@ -374,7 +350,7 @@ TYPED_TEST(CacheFileStoreTest, EveryBadFileIsRefusedAndChangesNothing) {
     if (k.tag == TypeParam::kFileTag) continue;
     auto b = good;
     put_u32(b, cf::kOffStoreTag, k.tag);
-    reseal_header(b);
+    reseal(b);
     write_bytes(bad, b);
     this->expect_rejected(t, before, bad,
                           "saved from a " + std::string(k.name) + " store (tag " +

@@ -20,6 +20,7 @@
 #include <thread>
 #include <vector>
 
+#include "cache_file_util.hpp"
 #include "test_util.hpp"
 
 namespace {
@@ -33,47 +34,17 @@ using kvdecode::Error;
 using kvdecode::Model;
 using kvdecode::ModelConfig;
 using kvdecode::ModelFingerprint;
+using kvdecode::testing_util::error_of;
+using kvdecode::testing_util::put_u32;
+using kvdecode::testing_util::put_u64;
 using kvdecode::testing_util::random_tokens;
+using kvdecode::testing_util::read_bytes;
+using kvdecode::testing_util::reseal;
 using kvdecode::testing_util::same_contents;
 using kvdecode::testing_util::small_config;
+using kvdecode::testing_util::write_bytes;
 using ::testing::AllOf;
 using ::testing::HasSubstr;
-
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
-
-std::vector<unsigned char> read_bytes(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-}
-
-void write_bytes(const fs::path& p, const std::vector<unsigned char>& b) {
-  std::ofstream out(p, std::ios::binary | std::ios::trunc);
-  out.write(reinterpret_cast<const char*>(b.data()), static_cast<std::streamsize>(b.size()));
-}
-
-void put_u64(std::vector<unsigned char>& b, std::size_t at, std::uint64_t v) {
-  for (std::size_t i = 0; i < 8; ++i) b[at + i] = static_cast<unsigned char>(v >> (8 * i));
-}
-void put_u32(std::vector<unsigned char>& b, std::size_t at, std::uint32_t v) {
-  for (std::size_t i = 0; i < 4; ++i) b[at + i] = static_cast<unsigned char>(v >> (8 * i));
-}
-
-/// Recomputes the checksums (XXH3-64) after an edit, as a forger (or a buggy writer) would, so
-/// that the checks behind them are the ones tested.
-void reseal(std::vector<unsigned char>& b, bool payload_too) {
-  if (payload_too) {
-    put_u64(b, cf::kOffPayloadHash,
-            XXH3_64bits(b.data() + cf::kHeaderBytes, b.size() - cf::kHeaderBytes));
-  }
-  put_u64(b, cf::kOffHeaderHash, XXH3_64bits(b.data(), cf::kOffHeaderHash));
-}
 
 class CacheFileTest : public ::testing::Test {
  protected:

@@ -20,6 +20,8 @@
 #include <string>
 #include <vector>
 
+#include "test_util.hpp"
+
 // ---------------------------------------------------------------------------------------------
 // Aligned-allocation accounting. AlignedBuffer allocates every tensor with the aligned operator
 // new, so replacing it here shows how many tensor buffers a load allocates and its peak bytes.
@@ -249,14 +251,13 @@ void expect_bit_identical(const Weights<float>& a, const Weights<float>& b) {
 }
 
 ModelConfig small_config(bool shared, std::int64_t n_kv_heads) {
-  ModelConfig c;
-  c.dim = 48;
-  c.hidden_dim = 100;
-  c.n_layers = 3;
-  c.n_heads = 6;  // head_size 8
-  c.n_kv_heads = n_kv_heads;
-  c.vocab_size = 37;
-  c.seq_len = 20;
+  ModelConfig c = testing_util::test_config({.dim = 48,
+                                             .hidden_dim = 100,
+                                             .n_layers = 3,
+                                             .n_heads = 6,  // head_size 8
+                                             .n_kv_heads = n_kv_heads,
+                                             .vocab_size = 37,
+                                             .seq_len = 20});
   c.shared_classifier = shared;
   return c;
 }
@@ -601,14 +602,13 @@ TEST(CheckpointTest, RejectsAHeaderOverTheDefaultLimitBeforeAllocating) {
   // A Llama-2-70B-shaped header (about 275 GB of f32) on a 0.5 MB file.
   const std::array<std::int32_t, 7> big = {8192, 28672, 80, 64, 8, 32000, 4096};
   for (std::size_t i = 0; i < big.size(); ++i) set_header_field(m.bytes(), i, big[i]);
-  ModelConfig c;
-  c.dim = 8192;
-  c.hidden_dim = 28672;
-  c.n_layers = 80;
-  c.n_heads = 64;
-  c.n_kv_heads = 8;
-  c.vocab_size = 32000;
-  c.seq_len = 4096;
+  const ModelConfig c = testing_util::test_config({.dim = 8192,
+                                                   .hidden_dim = 28672,
+                                                   .n_layers = 80,
+                                                   .n_heads = 64,
+                                                   .n_kv_heads = 8,
+                                                   .vocab_size = 32000,
+                                                   .seq_len = 4096});
   const std::uint64_t weight_bytes = v0_file_bytes(c) - 28 - 4 * 4096 * 128;
   const std::int64_t allocations = g_aligned_allocations.load();
   EXPECT_THAT(m.load_error_of("llama70b.bin"),

@@ -4,6 +4,7 @@
 // the caller supplies per layer (its own cache, or what a store held when the query ran).
 #pragma once
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstddef>
@@ -196,6 +197,42 @@ inline std::vector<double> double_forward(const DoubleWeights& w,
   std::vector<double> logits;
   for (std::size_t p = 0; p < tokens.size(); ++p) {
     const std::vector<double> l = double_step(w, tokens[p], p, cache, bf16_inputs);
+    logits.insert(logits.end(), l.begin(), l.end());
+  }
+  return logits;
+}
+
+/// x [n][head_size] after Int8Store's quantization as int8_store.hpp specifies it, written again
+/// here: per row, s = max|x| / 127 and q = round(x · 127 / max|x|) in f32, x̂ = q·s.
+inline std::vector<double> int8_round_trip(std::span<const double> x, std::size_t head_size) {
+  std::vector<double> out(x.size());
+  for (std::size_t h0 = 0; h0 < x.size(); h0 += head_size) {
+    float amax = 0;
+    for (std::size_t i = 0; i < head_size; ++i)
+      amax = std::max(amax, std::abs(static_cast<float>(x[h0 + i])));
+    const float s = amax / 127.0f, inv = amax > 0 ? 127.0f / amax : 0.0f;
+    for (std::size_t i = 0; i < head_size; ++i) {
+      const float q =
+          std::clamp(std::nearbyint(static_cast<float>(x[h0 + i]) * inv), -127.0f, 127.0f);
+      out[h0 + i] = static_cast<double>(q) * static_cast<double>(s);
+    }
+  }
+  return out;
+}
+
+/// double_forward with every K/V row rounded through int8 (int8_round_trip) when it is cached:
+/// the oracle of an Int8Store<double>, whose rows are quantized once when written.
+inline std::vector<double> int8_double_forward(const DoubleWeights& w,
+                                               std::span<const std::int32_t> tokens) {
+  const auto hs = static_cast<std::size_t>(w.cfg.head_size());
+  DoubleCache cache(w.cfg);
+  const auto int8_kv = [&](std::size_t l, std::span<const double> k, std::span<const double> v) {
+    const std::vector<double> qk = int8_round_trip(k, hs), qv = int8_round_trip(v, hs);
+    return cache(l, qk, qv);
+  };
+  std::vector<double> logits;
+  for (std::size_t p = 0; p < tokens.size(); ++p) {
+    const std::vector<double> l = double_step(w, tokens[p], p, int8_kv);
     logits.insert(logits.end(), l.begin(), l.end());
   }
   return logits;

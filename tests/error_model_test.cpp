@@ -26,21 +26,13 @@ using kvdecode::ContiguousStore;
 using kvdecode::Error;
 using kvdecode::Model;
 using kvdecode::ModelConfig;
+using kvdecode::testing_util::error_of;
 using kvdecode::testing_util::random_tokens;
 using kvdecode::testing_util::same_contents;
 using kvdecode::testing_util::small_config;
 using ::testing::AllOf;
 using ::testing::HasSubstr;
 using ::testing::MatchesRegex;
-
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
 
 /// A store with 9 positions, an Activations that ran them, and snapshots of both, so a test can
 /// prove a failed call changed nothing: not the store's size, tokens or rows, not the logits.

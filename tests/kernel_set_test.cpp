@@ -44,14 +44,13 @@ class ModelKernelSetTest : public ::testing::TestWithParam<KernelSet> {
 
 /// Odd sizes, so every kernel runs its tails: dim 72 (head size 18), hidden 100, vocab 61.
 ModelConfig odd_config() {
-  ModelConfig c;
-  c.dim = 72;
-  c.hidden_dim = 100;
-  c.n_layers = 2;
-  c.n_heads = 4;
-  c.n_kv_heads = 2;
-  c.vocab_size = 61;
-  c.seq_len = 40;
+  ModelConfig c = testing_util::test_config({.dim = 72,
+                                             .hidden_dim = 100,
+                                             .n_layers = 2,
+                                             .n_heads = 4,
+                                             .n_kv_heads = 2,
+                                             .vocab_size = 61,
+                                             .seq_len = 40});
   c.shared_classifier = false;
   return c;
 }

@@ -17,15 +17,13 @@ namespace {
 
 ModelConfig shape(std::int64_t dim, std::int64_t n_layers, std::int64_t n_heads,
                   std::int64_t n_kv_heads, std::int64_t seq_len) {
-  ModelConfig c;
-  c.dim = dim;
-  c.hidden_dim = 3 * dim;
-  c.n_layers = n_layers;
-  c.n_heads = n_heads;
-  c.n_kv_heads = n_kv_heads;
-  c.vocab_size = 512;
-  c.seq_len = seq_len;
-  return c;
+  return testing_util::test_config({.dim = dim,
+                                    .hidden_dim = 3 * dim,
+                                    .n_layers = n_layers,
+                                    .n_heads = n_heads,
+                                    .n_kv_heads = n_kv_heads,
+                                    .vocab_size = 512,
+                                    .seq_len = seq_len});
 }
 
 // MHA, GQA and MQA variants of a few widths.
@@ -108,7 +106,7 @@ std::vector<Case> cases(const ModelConfig& cfg) {
     c.push_back(make_case<PagedStore<T>>(
         "paged block " + std::to_string(bs), cfg, {.block_size = bs},
         [bs](auto& m, std::size_t n) -> std::uint64_t {
-          BlockPool<T> pool(m, (n + bs - 1) / bs, bs, {.max_seq_len = n});
+          BlockPool<T> pool(m, (n + bs - 1) / bs, bs, {.capacity = n});
           PagedStore<T> seq(pool);
           const std::vector<std::int32_t> tokens(n, 1);
           seq.begin_append(tokens);  // takes every block the positions need
@@ -232,17 +230,13 @@ TEST(MemoryPlannerTest, WeightBytesEqualWeightsBytes) {
 // A server can size caches at compile time: the 15M shape with seq_len 2048 (6 layers, 6 kv
 // heads of 48) takes 2 × 6 × 6 × 48 × 4 = 13824 bytes per position.
 TEST(MemoryPlannerTest, WorksAtCompileTime) {
-  constexpr ModelConfig cfg = [] {
-    ModelConfig c;
-    c.dim = 288;
-    c.hidden_dim = 768;
-    c.n_layers = 6;
-    c.n_heads = 6;
-    c.n_kv_heads = 6;
-    c.vocab_size = 32000;
-    c.seq_len = 2048;
-    return c;
-  }();
+  constexpr ModelConfig cfg = testing_util::test_config({.dim = 288,
+                                                         .hidden_dim = 768,
+                                                         .n_layers = 6,
+                                                         .n_heads = 6,
+                                                         .n_kv_heads = 6,
+                                                         .vocab_size = 32000,
+                                                         .seq_len = 2048});
   constexpr MemoryPlanner<ContiguousStore<float>> plan(cfg);
   static_assert(plan.bytes_per_position() == 13824);
   static_assert(plan.kv_bytes(2048, 4) == 4ull * 2048 * 13824);

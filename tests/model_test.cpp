@@ -25,14 +25,13 @@ struct Shape {
 };
 
 ModelConfig make_config(const Shape& s) {
-  ModelConfig c;
-  c.dim = s.dim;
-  c.hidden_dim = s.hidden_dim;
-  c.n_layers = s.n_layers;
-  c.n_heads = s.n_heads;
-  c.n_kv_heads = s.n_kv_heads;
-  c.vocab_size = s.vocab_size;
-  c.seq_len = s.seq_len;
+  ModelConfig c = testing_util::test_config({.dim = s.dim,
+                                             .hidden_dim = s.hidden_dim,
+                                             .n_layers = s.n_layers,
+                                             .n_heads = s.n_heads,
+                                             .n_kv_heads = s.n_kv_heads,
+                                             .vocab_size = s.vocab_size,
+                                             .seq_len = s.seq_len});
   c.rope_style = s.rope;
   c.shared_classifier = s.shared;
   c.rope_theta = s.rope_theta;

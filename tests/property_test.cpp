@@ -36,6 +36,8 @@ using kvdecode::Model;
 using kvdecode::ModelConfig;
 using kvdecode::PagedStore;
 using kvdecode::WindowStore;
+using kvdecode::testing_util::env_or;
+using kvdecode::testing_util::tiny_config;
 
 /// How to build a store for the property run (make() returns a holder owning the store and
 /// anything it lives on), which reference its logits must match and how closely
@@ -66,7 +68,7 @@ template <class T>
 struct PropertyStore<PagedStore<T>> {
   struct Holder {
     Holder(const ModelConfig& cfg, std::size_t capacity)
-        : pool(cfg, (capacity + 2) / 3, 3, {.max_seq_len = capacity}), store(pool) {}
+        : pool(cfg, (capacity + 2) / 3, 3, {.capacity = capacity}), store(pool) {}
     BlockPool<T> pool;
     PagedStore<T> store;
   };
@@ -105,28 +107,11 @@ struct PropertyStore<WindowStore<T>> {
 };
 
 /// The int8 store rounds K/V, so forward_reference is not its oracle. Its oracle is a double
-/// forward (double_forward.hpp) whose K/V rows go through int8 as int8_store.hpp specifies it,
-/// written again here: per (position, kv head) row, s = max|x| / 127 and q = round(x · 127 /
-/// max|x|) in f32, x̂ = q·s. Rows are quantized once when written, so the recompute of the
-/// expected tokens must give the incremental store's logits to the last bits whatever the
-/// chunking, truncates, resets and refused appends before. The quantization error itself is
-/// bounded against the f32 cache in quant_error_budget_test.cpp.
-std::vector<double> int8_round_trip(std::span<const double> x, std::size_t head_size) {
-  std::vector<double> out(x.size());
-  for (std::size_t h0 = 0; h0 < x.size(); h0 += head_size) {
-    float amax = 0;
-    for (std::size_t i = 0; i < head_size; ++i)
-      amax = std::max(amax, std::abs(static_cast<float>(x[h0 + i])));
-    const float s = amax / 127.0f, inv = amax > 0 ? 127.0f / amax : 0.0f;
-    for (std::size_t i = 0; i < head_size; ++i) {
-      const float q =
-          std::clamp(std::nearbyint(static_cast<float>(x[h0 + i]) * inv), -127.0f, 127.0f);
-      out[h0 + i] = static_cast<double>(q) * static_cast<double>(s);
-    }
-  }
-  return out;
-}
-
+/// forward whose K/V rows go through int8 as int8_store.hpp specifies it (int8_double_forward,
+/// double_forward.hpp). Rows are quantized once when written, so the recompute of the expected
+/// tokens must give the incremental store's logits to the last bits whatever the chunking,
+/// truncates, resets and refused appends before. The quantization error itself is bounded
+/// against the f32 cache in quant_error_budget_test.cpp.
 template <>
 struct PropertyStore<Int8Store<double>> {
   struct Holder {
@@ -137,43 +122,13 @@ struct PropertyStore<Int8Store<double>> {
   }
   static std::vector<double> reference(const Model<double>& model,
                                        const std::vector<std::int32_t>& tokens) {
-    const kvdecode::testing_util::DoubleWeights w =
-        kvdecode::testing_util::widen_weights(model.weights());
-    const auto hs = static_cast<std::size_t>(w.cfg.head_size());
-    kvdecode::testing_util::DoubleCache cache(w.cfg);
-    const auto int8_kv = [&](std::size_t l, std::span<const double> k, std::span<const double> v) {
-      const std::vector<double> qk = int8_round_trip(k, hs), qv = int8_round_trip(v, hs);
-      return cache(l, qk, qv);
-    };
-    std::vector<double> logits;
-    for (std::size_t p = 0; p < tokens.size(); ++p) {
-      const std::vector<double> l = kvdecode::testing_util::double_step(w, tokens[p], p, int8_kv);
-      logits.insert(logits.end(), l.begin(), l.end());
-    }
-    return logits;
+    return kvdecode::testing_util::int8_double_forward(
+        kvdecode::testing_util::widen_weights(model.weights()), tokens);
   }
   static constexpr double kTolerance = 1e-9;
   static constexpr std::size_t kMaxAppend = 9;
   static std::size_t lowest_truncate(std::size_t) { return 0; }
 };
-
-std::uint64_t env_or(const char* name, std::uint64_t fallback) {
-  const char* v = std::getenv(name);
-  return v != nullptr && *v != '\0' ? std::strtoull(v, nullptr, 0) : fallback;
-}
-
-/// dim 16, 1 layer, 2 query heads on 1 kv head (GQA), vocab 11: the recompute costs microseconds.
-ModelConfig tiny_config() {
-  ModelConfig c;
-  c.dim = 16;
-  c.hidden_dim = 24;
-  c.n_layers = 1;
-  c.n_heads = 2;
-  c.n_kv_heads = 1;
-  c.vocab_size = 11;
-  c.seq_len = 24;
-  return c;
-}
 
 template <class Store>
 class PropertyTest : public ::testing::Test {};
@@ -193,7 +148,7 @@ TYPED_TEST(PropertyTest, RandomOperationsMatchTheNoCacheRecompute) {
               static_cast<unsigned long long>(seed), static_cast<unsigned long long>(ops),
               static_cast<unsigned long long>(seed));
 
-  const ModelConfig cfg = tiny_config();
+  const ModelConfig cfg = tiny_config(1);
   const Model<T> model(kvdecode::random_weights<T>(cfg, seed ^ 0x5EED));
   const std::size_t capacity = 20;
   const auto vocab = static_cast<std::size_t>(cfg.vocab_size);

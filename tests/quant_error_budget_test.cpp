@@ -271,14 +271,13 @@ Metrics measure(const Case& c, const Reference& ref, const typename S::Options& 
 
 ModelConfig shape(std::int64_t dim, std::int64_t heads, std::int64_t kv, std::int64_t layers,
                   RopeStyle style) {
-  ModelConfig c;
-  c.dim = dim;
-  c.hidden_dim = 2 * dim;
-  c.n_layers = layers;
-  c.n_heads = heads;
-  c.n_kv_heads = kv;
-  c.vocab_size = 256;
-  c.seq_len = 512;
+  ModelConfig c = testing_util::test_config({.dim = dim,
+                                             .hidden_dim = 2 * dim,
+                                             .n_layers = layers,
+                                             .n_heads = heads,
+                                             .n_kv_heads = kv,
+                                             .vocab_size = 256,
+                                             .seq_len = 512});
   c.rope_style = style;
   return c;
 }

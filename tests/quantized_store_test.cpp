@@ -12,6 +12,7 @@
 #include "kvdecode/store/int8_store.hpp"
 #include "kvdecode/store/q4_store.hpp"
 #include "store_conformance.hpp"
+#include "test_util.hpp"
 
 namespace kvdecode::testing_util {
 
@@ -405,15 +406,13 @@ TEST(QuantizedLogitsTest, Q4MatchesDoubleForwardOverItsOwnKv) {
 
 /// A Llama-style shape: head_size 128 (Llama 2/3, Mistral), GQA.
 ModelConfig llama_shape(std::int64_t head_size) {
-  ModelConfig c;
-  c.n_heads = 8;
-  c.n_kv_heads = 2;
-  c.dim = 8 * head_size;
-  c.hidden_dim = 4 * c.dim;
-  c.n_layers = 4;
-  c.vocab_size = 256;
-  c.seq_len = 4096;
-  return c;
+  return testing_util::test_config({.dim = 8 * head_size,
+                                    .hidden_dim = 32 * head_size,  // 4 × dim
+                                    .n_layers = 4,
+                                    .n_heads = 8,
+                                    .n_kv_heads = 2,
+                                    .vocab_size = 256,
+                                    .seq_len = 4096});
 }
 
 TEST(QuantizedMemoryTest, MemoryBytesFollowTheFormula) {

@@ -341,15 +341,13 @@ TEST(SpeculationOptionTest, RefusesWhatItCannotHonourAndChangesNothing) {
 
 /// vocab 5, dim 16, one layer: the joint law of three generated tokens has 125 cells.
 ModelConfig sampling_config() {
-  ModelConfig c;
-  c.dim = 16;
-  c.hidden_dim = 32;
-  c.n_layers = 1;
-  c.n_heads = 2;
-  c.n_kv_heads = 1;
-  c.vocab_size = 5;
-  c.seq_len = 16;
-  return c;
+  return test_config({.dim = 16,
+                      .hidden_dim = 32,
+                      .n_layers = 1,
+                      .n_heads = 2,
+                      .n_kv_heads = 1,
+                      .vocab_size = 5,
+                      .seq_len = 16});
 }
 
 /// The sampling distribution written out from its definition: softmax(logits / t), then the
@@ -510,14 +508,13 @@ TEST(SpeculativeSamplingTest, KeepsTheTargetDistribution) {
   }
 }
 
-ModelConfig tiny_config();
 template <class S, class Make>
 std::vector<double> decoded_logits(const Model<double>& model, const Tokens& tokens, Make&& make);
 
 /// Why verification of a 4-bit store is capped: a chunk that completes a key group after its
 /// first row reads the group quantized where one-at-a-time decoding read it in full precision.
 TEST(SpeculativeQ4Test, AChunkPastTheCapReadsDifferentlyFromDecoding) {
-  const ModelConfig cfg = tiny_config();
+  const ModelConfig cfg = tiny_config(2);
   const Model<double> model(random_weights<double>(cfg, 17));
   const auto vocab = static_cast<std::size_t>(cfg.vocab_size);
   const Tokens tokens = {4, 9, 2, 7, 1};
@@ -542,23 +539,6 @@ TEST(SpeculativeQ4Test, AChunkPastTheCapReadsDifferentlyFromDecoding) {
 // ---------------------------------------------------------------------------------------------
 // Property: random draft / verify / accept / reject sequences on every store kind
 
-std::uint64_t env_or(const char* name, std::uint64_t fallback) {
-  const char* v = std::getenv(name);
-  return v != nullptr && *v != '\0' ? std::strtoull(v, nullptr, 0) : fallback;
-}
-
-ModelConfig tiny_config() {
-  ModelConfig c;
-  c.dim = 16;
-  c.hidden_dim = 24;
-  c.n_layers = 2;
-  c.n_heads = 2;
-  c.n_kv_heads = 1;
-  c.vocab_size = 11;
-  c.seq_len = 24;
-  return c;
-}
-
 /// Logits [n][vocab] of every position of `tokens` as plain decoding computes them: one decode
 /// step at a time into a fresh store made by make() (the oracle of stores that round or shift
 /// what they keep: int8, 4-bit, streaming).
@@ -580,7 +560,7 @@ std::vector<double> decoded_logits(const Model<double>& model, const Tokens& tok
 TEST(SpeculativePropertyTest, RandomVerifyAndRollbackMatchTheRecompute) {
   const std::uint64_t seed = env_or("KVDECODE_SPECULATIVE_SEED", 20261203);
   const std::uint64_t steps = env_or("KVDECODE_SPECULATIVE_STEPS", 10000);
-  const ModelConfig cfg = tiny_config();
+  const ModelConfig cfg = tiny_config(2);
   const Model<double> model(random_weights<double>(cfg, seed ^ 0xABCD));
   const auto vocab = static_cast<std::size_t>(cfg.vocab_size);
   const std::size_t capacity = 20;
@@ -689,7 +669,7 @@ TEST(SpeculativePropertyTest, RandomVerifyAndRollbackMatchTheRecompute) {
   {
     // The tested sequence is a fork of one holding 4 tokens (blocks of 3: a shared partial
     // block); the parent's rows must stay as they were through every step.
-    BlockPool<double> pool(cfg, 16, 3, {.max_seq_len = capacity});
+    BlockPool<double> pool(cfg, 16, 3, {.capacity = capacity});
     PagedStore<double> parent(pool);
     Activations<double> act(cfg, {.max_chunk = 4});
     model.prefill(Tokens{3, 1, 4, 1}, parent, act);

@@ -103,6 +103,20 @@ void expect_exact_rollback(const char* what, const ModelConfig& cfg, Make make, 
   }
 }
 
+// Cache files record a store by its tag, fixed forever (docs/FORMATS.md): AllStores holds every
+// kind with the tag and name the format gave it, and the cache file names each.
+TEST(StoreDescriptionTest, AllStoresKeepTheirFileTags) {
+  const std::map<std::uint32_t, std::string> fixed = {{1, "contiguous"}, {2, "paged"}, {3, "int8"},
+                                                      {4, "window"},     {6, "q4"},    {7, "q2"}};
+  std::map<std::uint32_t, std::string> listed;
+  for (const auto& k : detail::cache_file::kStoreKinds) listed.emplace(k.tag, std::string(k.name));
+  EXPECT_EQ(listed, fixed);
+  EXPECT_EQ(AllStores::kSize, fixed.size());
+  for (const auto& [tag, name] : fixed) EXPECT_EQ(detail::cache_file::kind_name(tag), name);
+  EXPECT_EQ(detail::cache_file::kind_name(5), "unknown");  // the 4-bit layout before its residual
+  EXPECT_EQ(detail::cache_file::kind_name(8), "unknown");
+}
+
 TEST(StoreDescriptionTest, RollingBackMaxExactRollbackEqualsNeverAppending) {
   const ModelConfig cfg = small_config(4, 2, 64);
   for (const std::size_t chunk : {1u, 4u}) {
@@ -179,7 +193,7 @@ TEST(StoreDescriptionTest, MaxAppendIsExactlyWhatBeginAppendAccepts) {
   }
   // A paged sequence is bounded by its pool too: 5 blocks of 4, one of them held by a fork's
   // shared partial block, which the next append must copy.
-  BlockPool<float> pool(cfg, 5, 4, {.max_seq_len = 64});
+  BlockPool<float> pool(cfg, 5, 4, {.capacity = 64});
   PagedStore<float> a(pool);
   append(cfg, a, 6, 6);  // blocks 0 and 1, the second half full
   EXPECT_EQ(a.max_append(), 2 + 3 * 4u);

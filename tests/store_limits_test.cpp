@@ -15,16 +15,6 @@ namespace {
 
 constexpr std::size_t kHuge = std::numeric_limits<std::size_t>::max() / 3;
 
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "no error";
-}
-
 TEST(StoreLimitsTest, CapacitiesThatOverflowAreRefusedNamingThem) {
   const ModelConfig cfg = small_config(4, 2, 64);
   using ::testing::HasSubstr;

@@ -1,29 +1,86 @@
-// Helpers shared by the test suites: small configs, random token streams, logit comparisons.
+// Helpers shared by the test suites: test model shapes, random token streams, logit comparisons,
+// error messages, seeds from the environment.
 #pragma once
 
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <functional>
 #include <limits>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "kvdecode/kvdecode.hpp"
 
 namespace kvdecode::testing_util {
 
-inline ModelConfig small_config(std::int64_t n_heads = 4, std::int64_t n_kv_heads = 2,
-                                std::int64_t seq_len = 48) {
+/// The seven sizes of a test model, each named where a test writes its shape
+/// (test_config({.dim = 16, .hidden_dim = 24, ...})).
+struct TestShape {
+  std::int64_t dim = 0;
+  std::int64_t hidden_dim = 0;
+  std::int64_t n_layers = 0;
+  std::int64_t n_heads = 0;
+  std::int64_t n_kv_heads = 0;
+  std::int64_t vocab_size = 0;
+  std::int64_t seq_len = 0;
+};
+
+/// The config of a test shape; the other fields (RoPE, norm, classifier) keep ModelConfig's
+/// defaults, and a test that needs another sets it on the result.
+constexpr ModelConfig test_config(const TestShape& s) {
   ModelConfig c;
-  c.dim = 16 * n_heads;
-  c.hidden_dim = 96;
-  c.n_layers = 2;
-  c.n_heads = n_heads;
-  c.n_kv_heads = n_kv_heads;
-  c.vocab_size = 53;
-  c.seq_len = seq_len;
+  c.dim = s.dim;
+  c.hidden_dim = s.hidden_dim;
+  c.n_layers = s.n_layers;
+  c.n_heads = s.n_heads;
+  c.n_kv_heads = s.n_kv_heads;
+  c.vocab_size = s.vocab_size;
+  c.seq_len = s.seq_len;
   return c;
+}
+
+/// Head size 16, two layers, n_heads / n_kv_heads as given (GQA by default), vocab 53.
+constexpr ModelConfig small_config(std::int64_t n_heads = 4, std::int64_t n_kv_heads = 2,
+                                   std::int64_t seq_len = 48) {
+  return test_config({.dim = 16 * n_heads,
+                      .hidden_dim = 96,
+                      .n_layers = 2,
+                      .n_heads = n_heads,
+                      .n_kv_heads = n_kv_heads,
+                      .vocab_size = 53,
+                      .seq_len = seq_len});
+}
+
+/// dim 16, 2 query heads on 1 kv head (GQA), vocab 11, 24 positions: a model whose no-cache
+/// recompute costs microseconds, for property runs of thousands of operations.
+constexpr ModelConfig tiny_config(std::int64_t n_layers) {
+  return test_config({.dim = 16,
+                      .hidden_dim = 24,
+                      .n_layers = n_layers,
+                      .n_heads = 2,
+                      .n_kv_heads = 1,
+                      .vocab_size = 11,
+                      .seq_len = 24});
+}
+
+/// The message of the kvdecode::Error fn throws, or "(no error)".
+inline std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+/// The environment variable `name` as a number (a seed, an operation count), else fallback.
+inline std::uint64_t env_or(const char* name, std::uint64_t fallback) {
+  const char* v = std::getenv(name);
+  return v != nullptr && *v != '\0' ? std::strtoull(v, nullptr, 0) : fallback;
 }
 
 inline std::vector<std::int32_t> random_tokens(std::size_t n, std::int64_t vocab,

@@ -26,15 +26,13 @@ using testing_util::random_tokens;
 /// Large enough that every projection passes kMinParallelWeights (dim × dim = 65536) and
 /// attention passes kMinParallelAttention, so the pool really splits the work; GQA 8/2.
 ModelConfig threaded_config() {
-  ModelConfig c;
-  c.dim = 256;
-  c.hidden_dim = 400;  // not a multiple of 16 × threads: uneven shares
-  c.n_layers = 2;
-  c.n_heads = 8;
-  c.n_kv_heads = 2;
-  c.vocab_size = 1000;
-  c.seq_len = 80;
-  return c;
+  return testing_util::test_config({.dim = 256,
+                                    .hidden_dim = 400,  // not a multiple of 16 × threads: uneven
+                                    .n_layers = 2,
+                                    .n_heads = 8,
+                                    .n_kv_heads = 2,
+                                    .vocab_size = 1000,
+                                    .seq_len = 80});
 }
 
 template <class W>

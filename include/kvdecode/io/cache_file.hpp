@@ -47,6 +47,7 @@
 #include "kvdecode/model/model.hpp"
 #include "kvdecode/model/model_config.hpp"
 #include "kvdecode/model/weights.hpp"
+#include "kvdecode/store/all_stores.hpp"
 #include "kvdecode/store/block_pool.hpp"
 #include "kvdecode/store/contiguous_store.hpp"
 #include "kvdecode/store/int8_store.hpp"
@@ -145,19 +146,17 @@ inline constexpr std::size_t kMaxOptions = 6;
 inline constexpr std::uint32_t kLittleEndian = 1;
 inline constexpr std::uint32_t kBigEndian = 2;
 
-/// The store kinds this header knows, to name a file's tag in messages.
+/// A store kind's file tag and name, to name a file's tag in messages.
 struct StoreKind {
   std::uint32_t tag;
   std::string_view name;
 };
-inline constexpr std::array<StoreKind, 6> kStoreKinds = {{
-    {ContiguousStore<float>::kFileTag, ContiguousStore<float>::kName},
-    {PagedStore<float>::kFileTag, PagedStore<float>::kName},
-    {Int8Store<float>::kFileTag, Int8Store<float>::kName},
-    {WindowStore<float>::kFileTag, WindowStore<float>::kName},
-    {Q4Store<float>::kFileTag, Q4Store<float>::kName},
-    {Q2Store<float>::kFileTag, Q2Store<float>::kName},
-}};
+template <template <class> class... Stores>
+constexpr std::array<StoreKind, sizeof...(Stores)> store_kinds(StoreList<Stores...>) {
+  return {{{Stores<float>::kFileTag, Stores<float>::kName}...}};
+}
+/// Every kind of AllStores (store/all_stores.hpp), whose files this header reads.
+inline constexpr auto kStoreKinds = store_kinds(AllStores{});
 
 inline std::string_view kind_name(std::uint32_t tag) {
   for (const StoreKind& k : kStoreKinds)
@@ -251,7 +250,7 @@ struct CacheFileInfo {
   std::uint32_t scalar_bytes = 0;  ///< sizeof the store's Scalar
   ModelFingerprint model;
   std::uint64_t n_layers = 0, n_kv_heads = 0, head_size = 0;  ///< the store's shape
-  std::uint64_t capacity = 0;  ///< the saved store's capacity (a pool's max_seq_len)
+  std::uint64_t capacity = 0;  ///< the saved store's capacity (a pool's capacity)
   std::uint64_t n_tokens = 0;  ///< positions saved, over all sequences of a pool file
   std::array<std::uint64_t, detail::cache_file::kMaxOptions> options{};  ///< file_options()
   std::uint64_t payload_bytes = 0;
@@ -796,7 +795,7 @@ void save_pool(const ModelFingerprint& model, const BlockPool<T>& pool,
   d.n_layers = pool.n_layers();
   d.n_kv_heads = pool.n_kv_heads();
   d.head_size = pool.head_size();
-  d.capacity = pool.max_seq_len();
+  d.capacity = pool.capacity();
   for (std::size_t q = 0; q < sequences.size(); ++q) {
     const PagedStore<T>& s = *sequences[q];
     KVDECODE_CHECK(s.pool() == &pool, ctx, ": sequence ", q, " is not on the pool");

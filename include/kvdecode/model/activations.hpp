@@ -21,7 +21,7 @@ namespace kvdecode {
 namespace detail {
 /// Rows [row, row + rows) of a chunk that belong to sequence `seq` of a batch, at pending
 /// offsets [pending_first, pending_first + rows) of its store's open append.
-struct BatchSegment {
+struct SequenceRows {
   std::size_t seq = 0;
   std::size_t row = 0;
   std::size_t pending_first = 0;
@@ -39,6 +39,10 @@ struct ActivationsOptions {
   std::size_t max_batch = 1;
   /// The store's block_scratch_size() (0 for stores that read in place).
   std::size_t store_scratch = 0;
+  /// Whether the model's weights are bf16 (Model<float, bf16>), whose multi-token projections
+  /// round their f32 input to bf16 first, into x_rounded. false (f32 or double weights) leaves
+  /// that buffer out; the model refuses such Activations if its weights need it.
+  bool bf16_weights = true;
   /// The threads every step runs on (not owned; kept alive as long as these Activations are
   /// used); nullptr runs everything on the caller.
   ThreadPool* thread_pool = nullptr;
@@ -81,13 +85,15 @@ struct Activations {
     rope_sin = AlignedBuffer<T>(n * half);
     logits = AlignedBuffer<T>(static_cast<std::size_t>(cfg.vocab_size));
     batch_logits = AlignedBuffer<T>(max_batch * static_cast<std::size_t>(cfg.vocab_size));
-    segments.resize(n);
+    sequence_rows.resize(n);
     attention = AttentionScratch<T>(cfg, n, store_scratch, n_threads);
     if (n > 1) {  // several tokens with bf16 weights widen panels of weight rows and round x
       const auto max_in = static_cast<std::size_t>(std::max(cfg.dim, cfg.hidden_dim));
       panel_stride = detail::kPanelRows * max_in;
       panels = AlignedBuffer<T>(n_threads * panel_stride);
-      if constexpr (std::is_same_v<T, float>) x_rounded = AlignedBuffer<T>(n * max_in);
+      if constexpr (std::is_same_v<T, float>) {
+        if (options.bf16_weights) x_rounded = AlignedBuffer<T>(n * max_in);
+      }
     }
     if constexpr (std::is_same_v<T, float>) {  // the input of block-format weights, quantized
       const auto max_in = static_cast<std::size_t>(std::max(cfg.dim, cfg.hidden_dim));
@@ -110,11 +116,12 @@ struct Activations {
   AlignedBuffer<T> rope_sin;      // [max_chunk] [head_size/2]
   AlignedBuffer<T> logits;        // [vocab_size]              logits of the last token
   AlignedBuffer<T> batch_logits;  // [max_batch][vocab_size] last-token logits of each sequence
-  std::vector<detail::BatchSegment> segments;  // [max_chunk]  of the chunk being run (batches)
+  std::vector<detail::SequenceRows> sequence_rows;  // [max_chunk]  of the chunk being run (batches)
   AttentionScratch<T> attention;
   std::size_t panel_stride = 0;  // kPanelRows × max(dim, hidden_dim) when max_chunk > 1, else 0
   AlignedBuffer<T> panels;       // [n_threads][kPanelRows][max(dim, hidden_dim)] widened weights
   AlignedBuffer<T> x_rounded;    // [max_chunk] [max(dim, hidden_dim)] input rounded to bf16
+                                 // (f32 activations of bf16 weights, max_chunk > 1; else empty)
   AlignedBuffer<std::int8_t> x_codes;  // [max_chunk] [max(dim, hidden_dim)] input as int8 codes
   AlignedBuffer<float> x_scales;       // [max_chunk] [max(dim, hidden_dim) / 32] their scales
   /// The threads every step runs on (not owned); nullptr runs everything on the caller.

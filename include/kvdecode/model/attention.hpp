@@ -151,7 +151,7 @@ void attend_kv_head(const ModelConfig& cfg, const S& store, std::size_t layer, s
   }
 
   // The tile being gathered: up to kTile key rows from one or more blocks.
-  struct Segment {
+  struct TileRun {
     const T* keys;    // [rows][stride]
     const T* values;  // [rows][stride]
     std::size_t stride;
@@ -159,8 +159,8 @@ void attend_kv_head(const ModelConfig& cfg, const S& store, std::size_t layer, s
     std::size_t col;    // its first column in the tile
     std::size_t rows;
   };
-  std::array<Segment, kTile> segs;  // [n_segs] (a block gives at least one row)
-  std::size_t n_segs = 0;
+  std::array<TileRun, kTile> runs;  // [n_runs] (a block gives at least one row)
+  std::size_t n_runs = 0;
   std::size_t cols = 0;
   // A build whose Eigen is narrower than the CPU takes the kernel set's products instead.
   const KernelSet ks = active_kernel_set();
@@ -171,15 +171,15 @@ void attend_kv_head(const ModelConfig& cfg, const S& store, std::size_t layer, s
     if (cols == 0) return;
     // Short blocks gathered for a few queries skip the setup of a GEMV per block; a tile of one
     // block (every tile of a contiguous store) keeps the matrix products.
-    const auto key_by_key = [&](const Segment& sg) {
-      return !own_products && n_segs > 1 && n <= kMaxKeyByKeyQueries && sg.rows < kMinProductRows;
+    const auto key_by_key = [&](const TileRun& run) {
+      return !own_products && n_runs > 1 && n <= kMaxKeyByKeyQueries && run.rows < kMinProductRows;
     };
     if constexpr (std::is_same_v<T, float>)
       if (own_products)
-        for (std::size_t k = 0; k < n_segs; ++k)
-          detail::pack_keys(kt, kTile, segs[k].col, segs[k].keys, segs[k].stride, segs[k].rows, hs);
+        for (std::size_t k = 0; k < n_runs; ++k)
+          detail::pack_keys(kt, kTile, runs[k].col, runs[k].keys, runs[k].stride, runs[k].rows, hs);
     const auto ci = static_cast<Eigen::Index>(cols);
-    const Segment& last = segs[n_segs - 1];
+    const TileRun& last = runs[n_runs - 1];
     // Every query sees every key of the tile unless a key lies past the first query or the
     // store adds a mask of its own.
     bool full = last.first + last.rows - 1 <= q_first;
@@ -193,22 +193,22 @@ void attend_kv_head(const ModelConfig& cfg, const S& store, std::size_t layer, s
         if (own_products)
           detail::attention_scores(ks, tile_scores, cols, q + h * hs, dim, kt, kTile, n, cols, hs,
                                    scale);
-      for (std::size_t k = 0; k < n_segs && !own_products; ++k) {
-        const Segment& sg = segs[k];
-        if (key_by_key(sg)) {
-          for (std::size_t c = 0; c < sg.rows; ++c) {
-            const detail::ConstVectorMap<T> key(sg.keys + c * sg.stride, hsi);
+      for (std::size_t k = 0; k < n_runs && !own_products; ++k) {
+        const TileRun& run = runs[k];
+        if (key_by_key(run)) {
+          for (std::size_t c = 0; c < run.rows; ++c) {
+            const detail::ConstVectorMap<T> key(run.keys + c * run.stride, hsi);
             for (std::size_t r = 0; r < n; ++r)
-              s(static_cast<Eigen::Index>(r), static_cast<Eigen::Index>(sg.col + c)) =
+              s(static_cast<Eigen::Index>(r), static_cast<Eigen::Index>(run.col + c)) =
                   qh.row(static_cast<Eigen::Index>(r)).dot(key.transpose()) * scale;
           }
         } else {
-          const auto ri = static_cast<Eigen::Index>(sg.rows);
-          const auto bs = Stride(static_cast<Eigen::Index>(sg.stride));
+          const auto ri = static_cast<Eigen::Index>(run.rows);
+          const auto bs = Stride(static_cast<Eigen::Index>(run.stride));
           // Scaled after the product: Eigen evaluates a product inside a larger expression
           // ((q·Kᵀ)·scale) into a heap temporary.
-          auto cols_of = s.middleCols(static_cast<Eigen::Index>(sg.col), ri);
-          cols_of.noalias() = qh * detail::ConstStridedMap<T>(sg.keys, ri, hsi, bs).transpose();
+          auto cols_of = s.middleCols(static_cast<Eigen::Index>(run.col), ri);
+          cols_of.noalias() = qh * detail::ConstStridedMap<T>(run.keys, ri, hsi, bs).transpose();
           cols_of *= scale;
         }
       }
@@ -218,13 +218,13 @@ void attend_kv_head(const ModelConfig& cfg, const S& store, std::size_t layer, s
         auto row = s.row(static_cast<Eigen::Index>(r));
         if (!full) {
           const std::size_t qi = q_first + r;
-          for (std::size_t k = 0; k < n_segs; ++k) {
-            const Segment& sg = segs[k];
-            for (std::size_t c = 0; c < sg.rows; ++c) {
-              const std::size_t ki = sg.first + c;
+          for (std::size_t k = 0; k < n_runs; ++k) {
+            const TileRun& run = runs[k];
+            for (std::size_t c = 0; c < run.rows; ++c) {
+              const std::size_t ki = run.first + c;
               bool visible = ki <= qi;
               if constexpr (MaskingKvStore<S>) visible = visible && !store.masks(qi, ki);
-              if (!visible) row(static_cast<Eigen::Index>(sg.col + c)) = neg_inf;
+              if (!visible) row(static_cast<Eigen::Index>(run.col + c)) = neg_inf;
             }
           }
         }
@@ -244,29 +244,29 @@ void attend_kv_head(const ModelConfig& cfg, const S& store, std::size_t layer, s
         m[r] = new_max;
         if (correction != T(1)) oh.row(static_cast<Eigen::Index>(r)) *= correction;
       }
-      for (std::size_t k = 0; k < n_segs; ++k) {
-        const Segment& sg = segs[k];
+      for (std::size_t k = 0; k < n_runs; ++k) {
+        const TileRun& run = runs[k];
         if constexpr (std::is_same_v<T, float>)
           if (own_products) {
-            detail::attention_pv(ks, out + h * hs, dim, tile_scores + sg.col, cols, sg.values,
-                                 sg.stride, n, sg.rows, hs);
+            detail::attention_pv(ks, out + h * hs, dim, tile_scores + run.col, cols, run.values,
+                                 run.stride, n, run.rows, hs);
             continue;
           }
-        if (key_by_key(sg)) {
-          for (std::size_t c = 0; c < sg.rows; ++c)
+        if (key_by_key(run)) {
+          for (std::size_t c = 0; c < run.rows; ++c)
             for (std::size_t r = 0; r < n; ++r)
               detail::axpy(out + r * dim + h * hs,
-                           s(static_cast<Eigen::Index>(r), static_cast<Eigen::Index>(sg.col + c)),
-                           sg.values + c * sg.stride, hs);
+                           s(static_cast<Eigen::Index>(r), static_cast<Eigen::Index>(run.col + c)),
+                           run.values + c * run.stride, hs);
         } else {
-          const auto ri = static_cast<Eigen::Index>(sg.rows);
-          const auto bs = Stride(static_cast<Eigen::Index>(sg.stride));
-          oh.noalias() += s.middleCols(static_cast<Eigen::Index>(sg.col), ri) *
-                          detail::ConstStridedMap<T>(sg.values, ri, hsi, bs);
+          const auto ri = static_cast<Eigen::Index>(run.rows);
+          const auto bs = Stride(static_cast<Eigen::Index>(run.stride));
+          oh.noalias() += s.middleCols(static_cast<Eigen::Index>(run.col), ri) *
+                          detail::ConstStridedMap<T>(run.values, ri, hsi, bs);
         }
       }
     }
-    n_segs = 0;
+    n_runs = 0;
     cols = 0;
   };
 
@@ -279,7 +279,7 @@ void attend_kv_head(const ModelConfig& cfg, const S& store, std::size_t layer, s
         break;
       }
       const std::size_t take = std::min(kTile - cols, b.n - r0);
-      segs[n_segs++] = Segment{
+      runs[n_runs++] = TileRun{
           b.keys + r0 * b.stride, b.values + r0 * b.stride, b.stride, b.first + r0, cols, take};
       if (b.n < kMinProductRows)
         detail::prefetch_rows(b.keys + r0 * b.stride, b.values + r0 * b.stride, take * b.stride);

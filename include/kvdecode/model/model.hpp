@@ -131,7 +131,7 @@ class Model {
   }
 
  private:
-  using Segment = detail::BatchSegment;
+  using SequenceRows = detail::SequenceRows;  // rows of a chunk that belong to one sequence
 
   /// The checks every entry makes on a store before touching it.
   template <KvStore S>
@@ -159,6 +159,12 @@ class Model {
                    "Model: the Activations' pool has ", act.pool == nullptr ? 0 : act.pool->size(),
                    " threads but its scratch was sized for ", act.n_threads,
                    "; pass the pool to the Activations constructor");
+    if constexpr (!std::is_same_v<T, W>) {
+      KVDECODE_CHECK(act.max_chunk == 1 || !act.x_rounded.empty(),
+                     "Model: the Activations were built with bf16_weights = false, but this "
+                     "model's weights are bf16 (its projections of several tokens round their "
+                     "input into Activations::x_rounded)");
+    }
   }
 
   enum class Phase { kPrefill, kDecode };
@@ -229,12 +235,12 @@ class Model {
       std::size_t b_done = 0;  // rows of sequence b in earlier chunks
       for (std::size_t done = 0; done < total; ++work.chunks) {
         const std::size_t n = std::min(act.max_chunk, total - done);
-        std::size_t n_segs = 0;
+        std::size_t n_parts = 0;
         std::size_t ending_first = B;  // sequences ending in this chunk: [ending_first, b)
         for (std::size_t row = 0; row < n;) {
           const std::size_t rows = std::min(length(b) - b_done, n - row);
-          act.segments[n_segs++] = Segment{b, row, b_done, rows};
-          // Attention reads the store up to this segment's last row, before its writes commit.
+          act.sequence_rows[n_parts++] = SequenceRows{b, row, b_done, rows};
+          // Attention reads the store up to this part's last row, before its writes commit.
           work.kv_bytes_read += stores[b]->read_bytes(stores[b]->size() + b_done + rows);
           row += rows;
           b_done += rows;
@@ -245,7 +251,7 @@ class Model {
           }
         }
         forward_layers(tokens.subspan(done, n), stores,
-                       std::span<const Segment>(act.segments.data(), n_segs), act);
+                       std::span<const SequenceRows>(act.sequence_rows.data(), n_parts), act);
         if (!all_logits.empty()) {  // every row's logits
           T* chunk_logits = all_logits.data() + done * vocab;
           detail::rmsnorm(act.xb.data(), act.x.data(), gain_final(), n, dim, cfg.norm_eps);
@@ -256,11 +262,12 @@ class Model {
           // The last row of each sequence that ends here: consecutive sequences, so their
           // logits rows are consecutive too.
           std::size_t k = 0;
-          for (std::size_t i = 0; i < n_segs; ++i) {
-            const Segment& sg = act.segments[i];
-            if (sg.pending_first + sg.rows != length(sg.seq)) continue;
-            detail::rmsnorm(act.xb.data() + k * dim, act.x.data() + (sg.row + sg.rows - 1) * dim,
-                            gain_final(), 1, dim, cfg.norm_eps);
+          for (std::size_t i = 0; i < n_parts; ++i) {
+            const SequenceRows& part = act.sequence_rows[i];
+            if (part.pending_first + part.rows != length(part.seq)) continue;
+            detail::rmsnorm(act.xb.data() + k * dim,
+                            act.x.data() + (part.row + part.rows - 1) * dim, gain_final(), 1, dim,
+                            cfg.norm_eps);
             ++k;
           }
           linear_group({{out + ending_first * vocab, w_.classifier(), vocab}}, act.xb.data(), k,
@@ -289,14 +296,14 @@ class Model {
   }
 
   /// Embedding, RoPE angles and every layer for one chunk of n = tokens.size() rows made of
-  /// segments (runs of rows of one sequence each, in row order); leaves the residual stream of
-  /// every row in act.x [n][dim]. K/V rows go to each segment's store at its pending offset.
+  /// parts (runs of rows of one sequence each, in row order); leaves the residual stream of
+  /// every row in act.x [n][dim]. K/V rows go to each part's store at its pending offset.
   template <KvStore S>
   void forward_layers(std::span<const std::int32_t> tokens, std::span<S* const> stores,
-                      std::span<const Segment> segs, Activations<T>& act) const {
-    embed(tokens, stores, segs, act);
+                      std::span<const SequenceRows> parts, Activations<T>& act) const {
+    embed(tokens, stores, parts, act);
     for (std::size_t l = 0; l < w_.layers.size(); ++l) {
-      attention_block(l, tokens.size(), stores, segs, act);
+      attention_block(l, tokens.size(), stores, parts, act);
       ffn_block(l, tokens.size(), act);
     }
   }
@@ -305,19 +312,19 @@ class Model {
   /// = the angles of each row's RoPE position in its own sequence.
   template <KvStore S>
   void embed(std::span<const std::int32_t> tokens, std::span<S* const> stores,
-             std::span<const Segment> segs, Activations<T>& act) const {
+             std::span<const SequenceRows> parts, Activations<T>& act) const {
     const ModelConfig& cfg = w_.config;
     const auto dim = static_cast<std::size_t>(cfg.dim);
     const auto hs = static_cast<std::size_t>(cfg.head_size());
     const auto half = hs / 2;
-    for (const Segment& sg : segs) {
-      const S& cache = *stores[sg.seq];
-      for (std::size_t i = sg.row; i < sg.row + sg.rows; ++i) {
+    for (const SequenceRows& part : parts) {
+      const S& cache = *stores[part.seq];
+      for (std::size_t i = part.row; i < part.row + part.rows; ++i) {
         // One row per token; a block format's row dequantized here (llama.cpp's get_rows).
         const W* row = w_.token_embedding.data() +
                        static_cast<std::size_t>(tokens[i]) * dim / Weights<W>::kPerElement;
         widen_into(act.x.data() + i * dim, row, dim);
-        const std::size_t index = cache.size() + sg.pending_first + (i - sg.row);
+        const std::size_t index = cache.size() + part.pending_first + (i - part.row);
         rope_angles(cache.rope_position(index), hs, cfg.rope_theta, act.rope_cos.data() + i * half,
                     act.rope_sin.data() + i * half);
       }
@@ -329,7 +336,7 @@ class Model {
   /// to itself.
   template <KvStore S>
   void attention_block(std::size_t l, std::size_t n, std::span<S* const> stores,
-                       std::span<const Segment> segs, Activations<T>& act) const {
+                       std::span<const SequenceRows> parts, Activations<T>& act) const {
     const ModelConfig& cfg = w_.config;
     const LayerWeights<W>& lw = w_.layers[l];
     const auto dim = static_cast<std::size_t>(cfg.dim);
@@ -344,42 +351,43 @@ class Model {
                   {act.k.data(), lw.wk.data(), kv_dim},
                   {act.v.data(), lw.wv.data(), kv_dim}},
                  act.xb.data(), n, dim, act);
-    for (const Segment& sg : segs) {
-      S& cache = *stores[sg.seq];
-      for (std::size_t i = sg.row; i < sg.row + sg.rows; ++i) {
+    for (const SequenceRows& part : parts) {
+      S& cache = *stores[part.seq];
+      for (std::size_t i = part.row; i < part.row + part.rows; ++i) {
         const T* c = act.rope_cos.data() + i * half;
         const T* s = act.rope_sin.data() + i * half;
         apply_rope(act.q.data() + i * dim, static_cast<std::size_t>(cfg.n_heads), hs,
                    cfg.rope_style, c, s);
         apply_rope(act.k.data() + i * kv_dim, n_kv_heads, hs, cfg.rope_style, c, s);
-        cache.write(l, sg.pending_first + (i - sg.row), act.k.data() + i * kv_dim,
+        cache.write(l, part.pending_first + (i - part.row), act.k.data() + i * kv_dim,
                     act.v.data() + i * kv_dim);
       }
     }
 
-    if (segs.size() == 1) {  // one sequence: attend()'s static split over kv heads
-      const Segment& sg = segs[0];
-      const S& cache = *stores[sg.seq];
-      attend(cfg, cache, l, cache.size() + sg.pending_first, sg.rows, act.q.data() + sg.row * dim,
-             act.att.data() + sg.row * dim, act.attention, act.pool);
+    if (parts.size() == 1) {  // one sequence: attend()'s static split over kv heads
+      const SequenceRows& part = parts[0];
+      const S& cache = *stores[part.seq];
+      attend(cfg, cache, l, cache.size() + part.pending_first, part.rows,
+             act.q.data() + part.row * dim, act.att.data() + part.row * dim, act.attention,
+             act.pool);
     } else {
-      // A batch: (segment, kv head) items claimed from a shared counter, as the sequences'
+      // A batch: (part, kv head) items claimed from a shared counter, as the sequences'
       // contexts differ.
       std::size_t work = 0;
-      for (const Segment& sg : segs)
-        work += sg.rows * (stores[sg.seq]->size() + sg.pending_first + sg.rows);
+      for (const SequenceRows& part : parts)
+        work += part.rows * (stores[part.seq]->size() + part.pending_first + part.rows);
       work *= hs * static_cast<std::size_t>(cfg.n_heads);
-      const std::size_t items = segs.size() * n_kv_heads;
+      const std::size_t items = parts.size() * n_kv_heads;
       ThreadPool* const pool = work >= kMinParallelAttention && items > 1 ? act.pool : nullptr;
       std::atomic<std::size_t> next{0};
       parallel_run(pool, [&](std::size_t t, std::size_t) {
         for (std::size_t i = next.fetch_add(1, std::memory_order_relaxed); i < items;
              i = next.fetch_add(1, std::memory_order_relaxed)) {
-          const Segment& sg = segs[i / n_kv_heads];
-          const S& cache = *stores[sg.seq];
-          attend_kv_head(cfg, cache, l, i % n_kv_heads, cache.size() + sg.pending_first, sg.rows,
-                         act.q.data() + sg.row * dim, act.att.data() + sg.row * dim, act.attention,
-                         t);
+          const SequenceRows& part = parts[i / n_kv_heads];
+          const S& cache = *stores[part.seq];
+          attend_kv_head(cfg, cache, l, i % n_kv_heads, cache.size() + part.pending_first,
+                         part.rows, act.q.data() + part.row * dim, act.att.data() + part.row * dim,
+                         act.attention, t);
         }
       });
     }

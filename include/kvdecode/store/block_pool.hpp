@@ -18,8 +18,10 @@ namespace kvdecode {
 
 /// Settings of a BlockPool beyond its size.
 struct BlockPoolOptions {
-  /// The most positions one sequence may hold; 0 means cfg.seq_len.
-  std::size_t max_seq_len = 0;
+  /// The most positions one sequence on the pool may hold (each PagedStore's capacity(), as
+  /// every store's Options::capacity); 0 means cfg.seq_len. The pool's n_blocks × block_size
+  /// bounds what all its sequences hold together.
+  std::size_t capacity = 0;
   /// Keep full blocks for reuse by later requests with the same prefix.
   bool prefix_cache = true;
   /// Bits of the prefix hash kept (1..64). Fewer bits only make collisions common, which tests
@@ -107,7 +109,7 @@ class BlockPool {
         head_size_(static_cast<std::size_t>(cfg.head_size())),
         n_blocks_(n_blocks),
         block_size_(block_size),
-        max_seq_len_(options.max_seq_len),
+        capacity_(options.capacity),
         prefix_cache_(options.prefix_cache) {
     cfg.validate();
     KVDECODE_CHECK(n_blocks >= 1, "BlockPool: n_blocks must be at least 1, got ", n_blocks);
@@ -121,7 +123,7 @@ class BlockPool {
                                        (n_layers_ * n_kv_heads_ * head_size_ * block_size),
                    "BlockPool: ", n_blocks, " blocks of ", block_size,
                    " positions overflow size_t");
-    if (max_seq_len_ == 0) max_seq_len_ = static_cast<std::size_t>(cfg.seq_len);
+    if (capacity_ == 0) capacity_ = static_cast<std::size_t>(cfg.seq_len);
     hash_mask_ =
         options.hash_bits == 64 ? ~std::uint64_t{0} : (std::uint64_t{1} << options.hash_bits) - 1;
     block_elems_ = n_layers_ * n_kv_heads_ * block_size_ * head_size_;
@@ -155,8 +157,8 @@ class BlockPool {
   std::size_t n_layers() const { return n_layers_; }
   std::size_t n_kv_heads() const { return n_kv_heads_; }
   std::size_t head_size() const { return head_size_; }
-  /// The most positions one sequence may hold.
-  std::size_t max_seq_len() const { return max_seq_len_; }
+  /// The most positions one sequence may hold (BlockPoolOptions::capacity).
+  std::size_t capacity() const { return capacity_; }
   bool prefix_cache_enabled() const { return prefix_cache_; }
   /// Bytes of K and V in one block: 2 × n_layers × n_kv_heads × block_size × head_size × sizeof(T).
   std::size_t block_bytes() const { return 2 * block_elems_ * sizeof(T); }
@@ -470,7 +472,7 @@ class BlockPool {
   std::size_t head_size_ = 0;
   std::size_t n_blocks_ = 0;
   std::size_t block_size_ = 0;
-  std::size_t max_seq_len_ = 0;
+  std::size_t capacity_ = 0;
   std::size_t block_elems_ = 0;  // n_layers × n_kv_heads × block_size × head_size
   bool prefix_cache_ = true;
   std::uint64_t hash_mask_ = 0;

@@ -16,6 +16,7 @@
 #include "kvdecode/error.hpp"
 #include "kvdecode/model/model_config.hpp"
 #include "kvdecode/store/kv_store.hpp"
+#include "kvdecode/store/sequence_ledger.hpp"
 
 namespace kvdecode {
 
@@ -62,43 +63,35 @@ class ContiguousStore {
                    "ContiguousStore: capacity ", capacity_, " positions overflow the store's size");
     keys_ = AlignedBuffer<T>(n_layers_ * n_kv_heads_ * capacity_ * head_size_);
     values_ = AlignedBuffer<T>(keys_.size());
-    tokens_ = AlignedBuffer<std::int32_t>(capacity_);
+    ledger_ = SequenceLedger("ContiguousStore", capacity_);
   }
 
-  std::size_t size() const { return size_; }
-  std::size_t pending() const { return pending_; }
+  std::size_t size() const { return ledger_.size(); }
+  std::size_t pending() const { return ledger_.pending(); }
   std::size_t capacity() const { return capacity_; }
   std::size_t n_layers() const { return n_layers_; }
   std::size_t n_kv_heads() const { return n_kv_heads_; }
   std::size_t head_size() const { return head_size_; }
   std::size_t memory_bytes() const { return keys_.bytes() + values_.bytes(); }
   Options options() const { return {capacity_}; }
-  std::size_t max_append() const { return capacity_ - size_; }
+  std::size_t max_append() const { return ledger_.room(); }
   /// Every row of [0, end), read in place.
   std::uint64_t read_bytes(std::size_t end) const {
     return 2 * end * n_layers_ * n_kv_heads_ * head_size_ * sizeof(T);
   }
   /// Dropped rows are only overwritten by later appends, so any rollback is exact.
-  std::size_t max_exact_rollback() const { return size_; }
+  std::size_t max_exact_rollback() const { return ledger_.size(); }
   std::size_t rope_position(std::size_t index) const { return index; }
   std::size_t block_scratch_size() const { return 0; }
 
-  void begin_append(std::span<const std::int32_t> tokens) {
-    const std::size_t n = tokens.size();
-    KVDECODE_CHECK(pending_ == 0, "ContiguousStore::begin_append: ", pending_,
-                   " positions are already pending");
-    KVDECODE_CHECK(n <= capacity_ - size_, "ContiguousStore: appending ", n, " positions to ",
-                   size_, " would exceed the capacity of ", capacity_);
-    std::copy(tokens.begin(), tokens.end(), tokens_.data() + size_);
-    pending_ = n;
-  }
+  void begin_append(std::span<const std::int32_t> tokens) { ledger_.begin_append(tokens); }
 
   /// The token ids of the committed positions.
-  std::span<const std::int32_t> tokens() const { return {tokens_.data(), size_}; }
+  std::span<const std::int32_t> tokens() const { return ledger_.tokens(); }
 
   /// Stores pending position i of a layer; k and v are [kv_dim] rows, heads one after another.
   void write(std::size_t layer, std::size_t i, const T* k, const T* v) {
-    const std::size_t index = size_ + i;
+    const std::size_t index = ledger_.size() + i;
     for (std::size_t h = 0; h < n_kv_heads_; ++h) {
       const std::size_t at = offset(layer, h, index);
       std::copy_n(k + h * head_size_, head_size_, keys_.data() + at);
@@ -106,22 +99,12 @@ class ContiguousStore {
     }
   }
 
-  void commit_append() {
-    size_ += pending_;
-    pending_ = 0;
-  }
-  void cancel_append() noexcept { pending_ = 0; }
+  void commit_append() { ledger_.commit_append(); }
+  void cancel_append() noexcept { ledger_.cancel_append(); }
 
   /// Rollback: keeps the first n positions. The dropped rows are simply overwritten later.
-  void truncate(std::size_t n) {
-    KVDECODE_CHECK(pending_ == 0, "ContiguousStore::truncate during an append");
-    KVDECODE_CHECK(n <= size_, "ContiguousStore::truncate(", n, ") beyond size ", size_);
-    size_ = n;
-  }
-  void reset() {
-    size_ = 0;
-    pending_ = 0;
-  }
+  void truncate(std::size_t n) { ledger_.truncate(n); }
+  void reset() { ledger_.reset(); }
 
   template <class Sink>
   void for_each_block(std::size_t layer, std::size_t kv_head, std::size_t end, std::span<T>,
@@ -145,9 +128,7 @@ class ContiguousStore {
     KVDECODE_CHECK(other.keys_.size() == keys_.size(), "ContiguousStore::copy_from: shapes differ");
     keys_.copy_from(other.keys_);
     values_.copy_from(other.values_);
-    tokens_.copy_from(other.tokens_);
-    size_ = other.size_;
-    pending_ = other.pending_;
+    ledger_ = other.ledger_;  // within the reservation of the same capacity: no allocation
   }
 
   // ---------------------------------------------------------------------------------------------
@@ -161,11 +142,12 @@ class ContiguousStore {
   /// values [n][head_size], each one copy out of the head-major buffers.
   template <class Out>
   void save_payload(Out& out) const {
-    out.write(tokens_.data(), size_);
+    const std::size_t n = ledger_.size();
+    out.write(ledger_.tokens().data(), n);
     for (std::size_t l = 0; l < n_layers_; ++l)
       for (std::size_t h = 0; h < n_kv_heads_; ++h) {
-        out.write(keys_.data() + offset(l, h, 0), size_ * head_size_);
-        out.write(values_.data() + offset(l, h, 0), size_ * head_size_);
+        out.write(keys_.data() + offset(l, h, 0), n * head_size_);
+        out.write(values_.data() + offset(l, h, 0), n * head_size_);
       }
   }
 
@@ -197,15 +179,13 @@ class ContiguousStore {
   void commit_payload(FileState& s) noexcept {
     const std::size_t n = s.tokens.size();
     const std::size_t run = n * head_size_;
-    std::copy_n(s.tokens.data(), n, tokens_.data());
     for (std::size_t l = 0; l < n_layers_; ++l)
       for (std::size_t h = 0; h < n_kv_heads_; ++h) {
         const std::size_t lh = l * n_kv_heads_ + h;
         std::copy_n(s.keys.data() + lh * run, run, keys_.data() + offset(l, h, 0));
         std::copy_n(s.values.data() + lh * run, run, values_.data() + offset(l, h, 0));
       }
-    size_ = n;
-    pending_ = 0;
+    ledger_.restore(s.tokens);
   }
 
  private:
@@ -217,11 +197,9 @@ class ContiguousStore {
   std::size_t n_kv_heads_ = 0;
   std::size_t head_size_ = 0;
   std::size_t capacity_ = 0;
-  std::size_t size_ = 0;
-  std::size_t pending_ = 0;
-  AlignedBuffer<T> keys_;               // [n_layers][n_kv_heads][capacity][head_size]
-  AlignedBuffer<T> values_;             // [n_layers][n_kv_heads][capacity][head_size]
-  AlignedBuffer<std::int32_t> tokens_;  // [capacity] token id of each position
+  SequenceLedger ledger_;    // size, pending append, token ids [capacity reserved]
+  AlignedBuffer<T> keys_;    // [n_layers][n_kv_heads][capacity][head_size]
+  AlignedBuffer<T> values_;  // [n_layers][n_kv_heads][capacity][head_size]
 };
 
 static_assert(KvStore<ContiguousStore<float>>);

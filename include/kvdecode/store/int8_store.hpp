@@ -21,6 +21,7 @@
 #include "kvdecode/error.hpp"
 #include "kvdecode/model/model_config.hpp"
 #include "kvdecode/store/kv_store.hpp"
+#include "kvdecode/store/sequence_ledger.hpp"
 
 namespace kvdecode {
 
@@ -80,11 +81,11 @@ class Int8Store {
     values_ = AlignedBuffer<std::int8_t>(keys_.size());
     key_scales_ = AlignedBuffer<float>(n_layers_ * n_kv_heads_ * capacity_);
     value_scales_ = AlignedBuffer<float>(key_scales_.size());
-    tokens_ = AlignedBuffer<std::int32_t>(capacity_);
+    ledger_ = SequenceLedger("Int8Store", capacity_);
   }
 
-  std::size_t size() const { return size_; }
-  std::size_t pending() const { return pending_; }
+  std::size_t size() const { return ledger_.size(); }
+  std::size_t pending() const { return ledger_.pending(); }
   std::size_t capacity() const { return capacity_; }
   std::size_t n_layers() const { return n_layers_; }
   std::size_t n_kv_heads() const { return n_kv_heads_; }
@@ -93,32 +94,24 @@ class Int8Store {
     return keys_.bytes() + values_.bytes() + key_scales_.bytes() + value_scales_.bytes();
   }
   Options options() const { return {capacity_}; }
-  std::size_t max_append() const { return capacity_ - size_; }
+  std::size_t max_append() const { return ledger_.room(); }
   /// Codes and scales of every row of [0, end).
   std::uint64_t read_bytes(std::size_t end) const {
     return 2 * end * n_layers_ * n_kv_heads_ * (head_size_ * sizeof(std::int8_t) + sizeof(float));
   }
   /// Rows are quantized on their own, so dropping the newest ones changes no other row.
-  std::size_t max_exact_rollback() const { return size_; }
+  std::size_t max_exact_rollback() const { return ledger_.size(); }
   std::size_t rope_position(std::size_t index) const { return index; }
   /// Keys and values of kBlockRows rows: [2][kBlockRows][head_size].
   std::size_t block_scratch_size() const { return 2 * kBlockRows * head_size_; }
 
-  void begin_append(std::span<const std::int32_t> tokens) {
-    const std::size_t n = tokens.size();
-    KVDECODE_CHECK(pending_ == 0, "Int8Store::begin_append: ", pending_,
-                   " positions are already pending");
-    KVDECODE_CHECK(n <= capacity_ - size_, "Int8Store: appending ", n, " positions to ", size_,
-                   " would exceed the capacity of ", capacity_);
-    std::copy(tokens.begin(), tokens.end(), tokens_.data() + size_);
-    pending_ = n;
-  }
+  void begin_append(std::span<const std::int32_t> tokens) { ledger_.begin_append(tokens); }
 
-  std::span<const std::int32_t> tokens() const { return {tokens_.data(), size_}; }
+  std::span<const std::int32_t> tokens() const { return ledger_.tokens(); }
 
   /// Quantizes pending position i of a layer; k and v are [kv_dim] rows, heads one after another.
   void write(std::size_t layer, std::size_t i, const T* k, const T* v) {
-    const std::size_t index = size_ + i;
+    const std::size_t index = ledger_.size() + i;
     for (std::size_t h = 0; h < n_kv_heads_; ++h) {
       const std::size_t row = (layer * n_kv_heads_ + h) * capacity_ + index;
       key_scales_[row] = quantize(k + h * head_size_, keys_.data() + row * head_size_);
@@ -126,22 +119,12 @@ class Int8Store {
     }
   }
 
-  void commit_append() {
-    size_ += pending_;
-    pending_ = 0;
-  }
+  void commit_append() { ledger_.commit_append(); }
   /// Pending rows lie past size(), so dropping them restores the store exactly.
-  void cancel_append() noexcept { pending_ = 0; }
+  void cancel_append() noexcept { ledger_.cancel_append(); }
 
-  void truncate(std::size_t n) {
-    KVDECODE_CHECK(pending_ == 0, "Int8Store::truncate during an append");
-    KVDECODE_CHECK(n <= size_, "Int8Store::truncate(", n, ") beyond size ", size_);
-    size_ = n;
-  }
-  void reset() {
-    size_ = 0;
-    pending_ = 0;
-  }
+  void truncate(std::size_t n) { ledger_.truncate(n); }
+  void reset() { ledger_.reset(); }
 
   /// Dequantizes cache indices [0, end) of one (layer, kv head) kBlockRows rows at a time into
   /// scratch [2][kBlockRows][head_size] and hands each block to sink; the block's pointers are
@@ -201,12 +184,13 @@ class Int8Store {
   /// [n][head_size], key scales [n] and value scales [n].
   template <class Out>
   void save_payload(Out& out) const {
-    out.write(tokens_.data(), size_);
+    const std::size_t n = ledger_.size();
+    out.write(ledger_.tokens().data(), n);
     for (std::size_t lh = 0; lh < n_layers_ * n_kv_heads_; ++lh) {
-      out.write(keys_.data() + lh * capacity_ * head_size_, size_ * head_size_);
-      out.write(values_.data() + lh * capacity_ * head_size_, size_ * head_size_);
-      out.write(key_scales_.data() + lh * capacity_, size_);
-      out.write(value_scales_.data() + lh * capacity_, size_);
+      out.write(keys_.data() + lh * capacity_ * head_size_, n * head_size_);
+      out.write(values_.data() + lh * capacity_ * head_size_, n * head_size_);
+      out.write(key_scales_.data() + lh * capacity_, n);
+      out.write(value_scales_.data() + lh * capacity_, n);
     }
   }
 
@@ -243,7 +227,6 @@ class Int8Store {
   /// Replaces the contents with a read payload; cannot fail.
   void commit_payload(FileState& s) noexcept {
     const std::size_t n = s.tokens.size();
-    std::copy_n(s.tokens.data(), n, tokens_.data());
     for (std::size_t lh = 0; lh < n_layers_ * n_kv_heads_; ++lh) {
       std::copy_n(s.keys.data() + lh * n * head_size_, n * head_size_,
                   keys_.data() + lh * capacity_ * head_size_);
@@ -252,8 +235,7 @@ class Int8Store {
       std::copy_n(s.key_scales.data() + lh * n, n, key_scales_.data() + lh * capacity_);
       std::copy_n(s.value_scales.data() + lh * n, n, value_scales_.data() + lh * capacity_);
     }
-    size_ = n;
-    pending_ = 0;
+    ledger_.restore(s.tokens);
   }
 
  private:
@@ -287,13 +269,11 @@ class Int8Store {
   std::size_t n_kv_heads_ = 0;
   std::size_t head_size_ = 0;
   std::size_t capacity_ = 0;
-  std::size_t size_ = 0;
-  std::size_t pending_ = 0;
-  AlignedBuffer<std::int8_t> keys_;     // [n_layers][n_kv_heads][capacity][head_size] codes
-  AlignedBuffer<std::int8_t> values_;   // [n_layers][n_kv_heads][capacity][head_size] codes
-  AlignedBuffer<float> key_scales_;     // [n_layers][n_kv_heads][capacity] step of each key row
-  AlignedBuffer<float> value_scales_;   // [n_layers][n_kv_heads][capacity] step of each value row
-  AlignedBuffer<std::int32_t> tokens_;  // [capacity] token id of each position
+  SequenceLedger ledger_;              // size, pending append, token ids [capacity reserved]
+  AlignedBuffer<std::int8_t> keys_;    // [n_layers][n_kv_heads][capacity][head_size] codes
+  AlignedBuffer<std::int8_t> values_;  // [n_layers][n_kv_heads][capacity][head_size] codes
+  AlignedBuffer<float> key_scales_;    // [n_layers][n_kv_heads][capacity] step of each key row
+  AlignedBuffer<float> value_scales_;  // [n_layers][n_kv_heads][capacity] step of each value row
 };
 
 static_assert(KvStore<Int8Store<float>>);

@@ -34,7 +34,7 @@ namespace kvdecode {
 /// copies a shared partially filled last block, copy-on-write), or throws Error, naming the
 /// blocks needed and available, with the pool and every sequence unchanged. Blocks that become
 /// full are entered in the prefix cache at commit_append. A decode step that needs no new block
-/// allocates nothing: the table and token list are reserved for max_seq_len at construction.
+/// allocates nothing: the table and token list are reserved for the capacity at construction.
 ///
 /// Move-only; the pool must outlive the sequence. Destruction releases its blocks.
 template <class T>
@@ -71,7 +71,7 @@ class PagedStore {
   PagedStore(const ModelConfig& cfg, const Options& options)
       : own_pool_(std::make_unique<BlockPool<T>>(
             cfg, blocks_for(cfg, options), options.block_size,
-            BlockPoolOptions{.max_seq_len = static_cast<std::size_t>(
+            BlockPoolOptions{.capacity = static_cast<std::size_t>(
                                  detail::capacity_or_seq_len(options.capacity, cfg))})) {
     attach(*own_pool_);
   }
@@ -82,7 +82,7 @@ class PagedStore {
   static PagedStore open(BlockPool<T>& pool, std::span<const std::int32_t> prompt) {
     PagedStore s(pool);
     const std::size_t bs = pool.block_size();
-    prompt = prompt.first(std::min(prompt.size(), pool.max_seq_len()));
+    prompt = prompt.first(std::min(prompt.size(), pool.capacity()));
     s.table_.resize(prompt.size() / bs);
     s.table_.resize(pool.match_prefix(prompt, s.table_));
     s.size_ = std::min(s.table_.size() * bs, prompt.size() == 0 ? 0 : prompt.size() - 1);
@@ -133,7 +133,7 @@ class PagedStore {
 
   std::size_t size() const { return size_; }
   std::size_t pending() const { return pending_; }
-  std::size_t capacity() const { return pool_ == nullptr ? 0 : pool_->max_seq_len(); }
+  std::size_t capacity() const { return pool_ == nullptr ? 0 : pool_->capacity(); }
   std::size_t n_layers() const { return pool_ == nullptr ? 0 : pool_->n_layers(); }
   std::size_t n_kv_heads() const { return pool_ == nullptr ? 0 : pool_->n_kv_heads(); }
   std::size_t head_size() const { return pool_ == nullptr ? 0 : pool_->head_size(); }
@@ -144,7 +144,7 @@ class PagedStore {
     return pool_ == nullptr ? 0 : table_.size() * pool_->block_bytes();
   }
   Options options() const {
-    return pool_ == nullptr ? Options{} : Options{pool_->block_size(), pool_->max_seq_len()};
+    return pool_ == nullptr ? Options{} : Options{pool_->block_size(), pool_->capacity()};
   }
   /// The room left in the sequence and in the pool now: the free rows of the last block (after
   /// its copy-on-write, if shared) and whole blocks the pool can hand out.
@@ -174,7 +174,7 @@ class PagedStore {
     KVDECODE_CHECK(pending_ == 0, "PagedStore ", id_, ": begin_append while ", pending_,
                    " positions are already pending");
     KVDECODE_CHECK(n <= capacity() - size_, "PagedStore ", id_, ": appending ", n, " positions to ",
-                   size_, " would exceed max_seq_len ", capacity());
+                   size_, " would exceed the capacity of ", capacity());
     if (n == 0) return;
     const std::size_t bs = pool_->block_size();
     const std::size_t fresh = (size_ + n + bs - 1) / bs - table_.size();
@@ -188,7 +188,7 @@ class PagedStore {
                    (cow ? " (one a copy-on-write)" : ""), " but the pool has ",
                    pool_->n_available(), " available (", pool_->n_free(), " free, ",
                    pool_->n_evictable(), " cached evictable) of ", pool_->n_blocks());
-    // Nothing below throws: the vectors were reserved for max_seq_len.
+    // Nothing below throws: the vectors were reserved for the capacity.
     if (cow) {
       const std::size_t copy = pool_->acquire();
       pool_->copy_block(copy, table_.back());
@@ -421,8 +421,8 @@ class PagedStore {
     for (std::size_t q = 0; q < targets.size(); ++q) {
       typename FileState::Sequence& seq = s.sequences[q];
       const std::uint64_t size = in.u64("sequence size");
-      KVDECODE_CHECK(size <= pool.max_seq_len(), ctx, ": sequence ", q, " holds ", size,
-                     " positions, more than the pool's max_seq_len ", pool.max_seq_len());
+      KVDECODE_CHECK(size <= pool.capacity(), ctx, ": sequence ", q, " holds ", size,
+                     " positions, more than the pool's capacity ", pool.capacity());
       total += size;
       const std::size_t n = static_cast<std::size_t>(size);
       in.alloc(seq.table, (n + bs - 1) / bs, "block table");
@@ -494,7 +494,7 @@ class PagedStore {
     for (std::size_t q = 0; q < targets.size(); ++q) {
       PagedStore& t = *targets[q];
       const typename FileState::Sequence& seq = s.sequences[q];
-      // Within the reservations made for max_seq_len at construction: no allocation.
+      // Within the reservations made for the capacity at construction: no allocation.
       for (const std::uint64_t k : seq.table) t.table_.push_back(static_cast<std::size_t>(ids[k]));
       t.tokens_.assign(seq.tokens.begin(), seq.tokens.end());
       t.size_ = seq.tokens.size();
@@ -539,9 +539,9 @@ class PagedStore {
     pool_ = &pool;
     id_ = pool.new_sequence_id();
     const std::size_t bs = pool.block_size();
-    table_.reserve((pool.max_seq_len() + bs - 1) / bs);
-    prefixes_.reserve(pool.max_seq_len() / bs);
-    tokens_.reserve(pool.max_seq_len());
+    table_.reserve((pool.capacity() + bs - 1) / bs);
+    prefixes_.reserve(pool.capacity() / bs);
+    tokens_.reserve(pool.capacity());
   }
 
   std::unique_ptr<BlockPool<T>> own_pool_;  // the pool of a store built from Options, if any

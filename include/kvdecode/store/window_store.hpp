@@ -18,6 +18,7 @@
 #include "kvdecode/model/model_config.hpp"
 #include "kvdecode/model/rope.hpp"
 #include "kvdecode/store/kv_store.hpp"
+#include "kvdecode/store/sequence_ledger.hpp"
 
 namespace kvdecode {
 
@@ -144,12 +145,13 @@ class WindowStore {
     written_.assign(n_layers_, 0);
     // A bounded store reserves every id now (no allocation while decoding); an unbounded one
     // starts with seq_len and grows.
-    tokens_.reserve(capacity_ == kUnboundedPositions ? seq_len : capacity_);
+    ledger_ = SequenceLedger("WindowStore", capacity_,
+                             capacity_ == kUnboundedPositions ? seq_len : capacity_);
     oldest_ = sinks_;
   }
 
-  std::size_t size() const { return size_; }
-  std::size_t pending() const { return pending_; }
+  std::size_t size() const { return ledger_.size(); }
+  std::size_t pending() const { return ledger_.pending(); }
   std::size_t capacity() const { return capacity_; }
   std::size_t n_layers() const { return n_layers_; }
   std::size_t n_kv_heads() const { return n_kv_heads_; }
@@ -176,9 +178,10 @@ class WindowStore {
   /// else max_chunk positions (older keys may be gone). Every key a later query sees is then
   /// as if the dropped positions had never been appended.
   std::size_t max_exact_rollback() const {
-    if (oldest_ <= sinks_) return size_;
+    const std::size_t size = ledger_.size();
+    if (oldest_ <= sinks_) return size;
     const std::size_t first = oldest_ + window_ - 1;  // the lowest index truncate() accepts
-    return first >= size_ ? 0 : size_ - first;
+    return first >= size ? 0 : size - first;
   }
 
   /// kTrainedWindow: the index. kStreaming: the slot of the token when it arrives, its index
@@ -199,52 +202,48 @@ class WindowStore {
   /// needs, what leaves those intact for a cancel. At least 1 while there is room. A caller
   /// with more tokens prefills this many, then continues.
   std::size_t max_append() const {
-    std::size_t n = capacity_ - size_;
+    const std::size_t size = ledger_.size();
+    std::size_t n = ledger_.room();
     if (policy_ == WindowPolicy::kStreaming)
-      n = std::min(n, size_ < sinks_ + window_ ? sinks_ + window_ - size_ : std::size_t{1});
+      n = std::min(n, size < sinks_ + window_ ? sinks_ + window_ - size : std::size_t{1});
     n = std::min(n, std::max(max_chunk_, before_wrap()));
     const std::size_t needed =
-        std::max({sinks_, oldest_, size_ + 1 > window_ ? size_ + 1 - window_ : 0});
-    if (size_ > needed) n = std::min(n, needed + ring_ - size_);
+        std::max({sinks_, oldest_, size + 1 > window_ ? size + 1 - window_ : 0});
+    if (size > needed) n = std::min(n, needed + ring_ - size);
     return n;
   }
 
   void begin_append(std::span<const std::int32_t> tokens) {
-    const std::size_t n = tokens.size();
-    KVDECODE_CHECK(pending_ == 0, "WindowStore::begin_append: ", pending_,
-                   " positions are already pending");
-    KVDECODE_CHECK(n <= capacity_ - size_, "WindowStore: appending ", n, " positions to ", size_,
-                   " would exceed the capacity of ", capacity_);
-    KVDECODE_CHECK(policy_ != WindowPolicy::kStreaming || n <= 1 || size_ + n <= sinks_ + window_,
-                   "WindowStore (streaming): appending ", n, " positions to ", size_,
+    const std::size_t n = tokens.size(), size = ledger_.size();
+    ledger_.check_append(n);
+    KVDECODE_CHECK(policy_ != WindowPolicy::kStreaming || n <= 1 || size + n <= sinks_ + window_,
+                   "WindowStore (streaming): appending ", n, " positions to ", size,
                    " passes the full cache of S + W = ", sinks_ + window_,
                    " positions; past it, append one position at a time");
     KVDECODE_CHECK(
-        n <= max_chunk_ || n <= before_wrap(), "WindowStore: appending ", n, " positions to ",
-        size_, " wraps the ring of ", ring_,
+        n <= max_chunk_ || n <= before_wrap(), "WindowStore: appending ", n, " positions to ", size,
+        " wraps the ring of ", ring_,
         " rows (W - 1 + max_chunk), so an append may hold at most max_chunk = ", max_chunk_,
         " positions (or ", before_wrap(), " before the ring wraps); see max_append()");
     // A cancel must find the keys the next query needs, [max(S, size-W+1), size), intact.
     const std::size_t needed =
-        std::max({sinks_, oldest_, size_ + 1 > window_ ? size_ + 1 - window_ : 0});
-    KVDECODE_CHECK(n == 0 || size_ <= needed || size_ + n - 1 < needed + ring_,
-                   "WindowStore: appending ", n, " positions to ", size_,
+        std::max({sinks_, oldest_, size + 1 > window_ ? size + 1 - window_ : 0});
+    KVDECODE_CHECK(n == 0 || size <= needed || size + n - 1 < needed + ring_,
+                   "WindowStore: appending ", n, " positions to ", size,
                    " would overwrite keys a cancel must restore; append at most max_chunk = ",
                    max_chunk_, " positions at a time to a non-empty store");
-    tokens_.resize(size_);
-    tokens_.insert(tokens_.end(), tokens.begin(), tokens.end());
-    pending_ = n;
+    ledger_.begin_append(tokens);
   }
 
-  std::span<const std::int32_t> tokens() const { return {tokens_.data(), size_}; }
+  std::span<const std::int32_t> tokens() const { return ledger_.tokens(); }
 
   /// Stores pending position i of a layer (k rotated at rope_position, v; [kv_dim] each). Rows
   /// arrive in order per layer; index x overwrites the ring slot of x - R.
   void write(std::size_t layer, std::size_t i, const T* k, const T* v) {
-    const std::size_t index = size_ + i;
-    KVDECODE_CHECK(i < pending_ && index == written_[layer], "WindowStore::write: layer ", layer,
-                   " expects pending row ", written_[layer] - size_, " of ", pending_, ", got ", i,
-                   " (rows are written in order)");
+    const std::size_t index = ledger_.size() + i;
+    KVDECODE_CHECK(i < ledger_.pending() && index == written_[layer], "WindowStore::write: layer ",
+                   layer, " expects pending row ", written_[layer] - ledger_.size(), " of ",
+                   ledger_.pending(), ", got ", i, " (rows are written in order)");
     for (std::size_t h = 0; h < n_kv_heads_; ++h) {
       T* kd = nullptr;
       T* vd = nullptr;
@@ -264,10 +263,9 @@ class WindowStore {
   }
 
   void commit_append() {
-    size_ += pending_;
-    pending_ = 0;
-    if (size_ > ring_) oldest_ = std::max(oldest_, size_ - ring_);
-    std::fill(written_.begin(), written_.end(), size_);
+    ledger_.commit_append();
+    if (ledger_.size() > ring_) oldest_ = std::max(oldest_, ledger_.size() - ring_);
+    std::fill(written_.begin(), written_.end(), ledger_.size());
   }
   /// Drops the pending rows. Slots they overwrote held keys no later query sees (begin_append
   /// checked), which now stop being reported.
@@ -275,26 +273,24 @@ class WindowStore {
     const std::size_t w =
         written_.empty() ? 0 : *std::max_element(written_.begin(), written_.end());
     if (w > ring_) oldest_ = std::max(oldest_, w - ring_);
-    pending_ = 0;
-    std::fill(written_.begin(), written_.end(), size_);
+    ledger_.cancel_append();
+    std::fill(written_.begin(), written_.end(), ledger_.size());
   }
 
   /// Rollback to n positions, possible while the keys the query at n needs are still resident.
   void truncate(std::size_t n) {
-    KVDECODE_CHECK(pending_ == 0, "WindowStore::truncate during an append");
-    KVDECODE_CHECK(n <= size_, "WindowStore::truncate(", n, ") beyond size ", size_);
+    ledger_.check_truncate(n);
     const std::size_t needed = std::max(sinks_, n + 1 > window_ ? n + 1 - window_ : 0);
     KVDECODE_CHECK(needed >= n || oldest_ <= needed, "WindowStore::truncate(", n,
                    "): the query at ", n, " needs keys from index ", needed,
                    " but the oldest resident one is ", oldest_,
                    " (at most max_chunk = ", max_chunk_, " positions can be rolled back)");
-    size_ = n;
+    ledger_.truncate(n);
     oldest_ = std::min(oldest_, std::max(n, sinks_));
-    std::fill(written_.begin(), written_.end(), size_);
+    std::fill(written_.begin(), written_.end(), ledger_.size());
   }
   void reset() {
-    size_ = 0;
-    pending_ = 0;
+    ledger_.reset();
     oldest_ = sinks_;
     std::fill(written_.begin(), written_.end(), 0);
   }
@@ -359,14 +355,15 @@ class WindowStore {
   /// indices [lo, n) in index order, lo = max(S, oldest, n - R), [n - lo][head_size] each.
   template <class Out>
   void save_payload(Out& out) const {
-    const std::size_t ns = std::min(sinks_, size_), lo = resident_from(size_, oldest_);
-    out.write(tokens_.data(), size_);
+    const std::size_t n = ledger_.size();
+    const std::size_t ns = std::min(sinks_, n), lo = resident_from(n, oldest_);
+    out.write(ledger_.tokens().data(), n);
     out.u64(oldest_);
     for (std::size_t lh = 0; lh < n_layers_ * n_kv_heads_; ++lh) {
       out.write(sink_keys_.data() + lh * sinks_ * head_size_, ns * head_size_);
       out.write(sink_values_.data() + lh * sinks_ * head_size_, ns * head_size_);
       for (const AlignedBuffer<T>* ring : {&ring_keys_, &ring_values_})
-        for (std::size_t x = lo; x < size_; ++x)
+        for (std::size_t x = lo; x < n; ++x)
           out.write(ring->data() + (lh * ring_ + (x - sinks_) % ring_) * head_size_, head_size_);
     }
   }
@@ -394,8 +391,6 @@ class WindowStore {
     const std::size_t heads = n_layers_ * n_kv_heads_, hs = head_size_;
     FileState s;
     s.tokens = in.tokens(n, "token ids");
-    // Room for what the store reserves, so commit_payload can take the vector over.
-    s.tokens.reserve(std::max(n, tokens_.capacity()));
     const std::uint64_t oldest = in.u64("oldest resident index");
     KVDECODE_CHECK(oldest >= sinks_ && oldest <= std::max(sinks_, n), in.context(),
                    ": oldest resident index ", oldest, " lies outside [S, max(S, n)] = [", sinks_,
@@ -422,7 +417,6 @@ class WindowStore {
   void commit_payload(FileState& s) noexcept {
     const std::size_t n = s.tokens.size(), hs = head_size_;
     const std::size_t ns = std::min(sinks_, n), nr = n - std::min(n, s.lo);
-    tokens_.swap(s.tokens);  // [n], with the capacity the store reserves
     for (std::size_t lh = 0; lh < n_layers_ * n_kv_heads_; ++lh) {
       std::copy_n(s.sink_keys.data() + lh * ns * hs, ns * hs, sink_keys_.data() + lh * sinks_ * hs);
       std::copy_n(s.sink_values.data() + lh * ns * hs, ns * hs,
@@ -433,10 +427,9 @@ class WindowStore {
         std::copy_n(s.ring_values.data() + (lh * nr + r) * hs, hs, ring_values_.data() + at);
       }
     }
-    size_ = n;
-    pending_ = 0;
+    ledger_.restore(s.tokens);
     oldest_ = s.oldest;
-    std::fill(written_.begin(), written_.end(), size_);
+    std::fill(written_.begin(), written_.end(), ledger_.size());
   }
 
  private:
@@ -451,7 +444,8 @@ class WindowStore {
 
   /// Positions an append may add before index S + R, the first to reuse a ring slot.
   std::size_t before_wrap() const {
-    return size_ < sinks_ + ring_ ? sinks_ + ring_ - size_ : std::size_t{0};
+    const std::size_t size = ledger_.size();
+    return size < sinks_ + ring_ ? sinks_ + ring_ - size : std::size_t{0};
   }
 
   /// The first ring index still resident in a store of n positions: what for_each_block reads.
@@ -479,10 +473,9 @@ class WindowStore {
   std::size_t max_chunk_ = 1;
   std::size_t capacity_ = 0;
   RopeStyle style_ = RopeStyle::kAdjacentPairs;
-  std::size_t ring_ = 0;  // R = W - 1 + max_chunk slots per (layer, kv head)
-  std::size_t size_ = 0;
-  std::size_t pending_ = 0;
-  std::size_t oldest_ = 0;            // lowest non-sink index whose slot still holds it (≥ S)
+  std::size_t ring_ = 0;    // R = W - 1 + max_chunk slots per (layer, kv head)
+  SequenceLedger ledger_;   // size, pending append, token ids [capacity, or seq_len and growing]
+  std::size_t oldest_ = 0;  // lowest non-sink index whose slot still holds it (≥ S)
   AlignedBuffer<T> sink_keys_;        // [n_layers][n_kv_heads][S][head_size] after RoPE
   AlignedBuffer<T> sink_values_;      // [n_layers][n_kv_heads][S][head_size]
   AlignedBuffer<T> ring_keys_;        // [n_layers][n_kv_heads][R][head_size] after RoPE at p_w(x)
@@ -490,7 +483,6 @@ class WindowStore {
   AlignedBuffer<T> rot_cos_;          // [W][head_size/2] cos(-d θ_j), kStreaming only
   AlignedBuffer<T> rot_sin_;          // [W][head_size/2] sin(-d θ_j), kStreaming only
   std::vector<std::size_t> written_;  // [n_layers] rows written per layer (committed + pending)
-  std::vector<std::int32_t> tokens_;  // [size + pending] token id of each position
 };
 
 static_assert(KvStore<WindowStore<float>>);
