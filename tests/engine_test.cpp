@@ -347,8 +347,8 @@ TEST(EngineTest, RejectsBadOptions) {
   const Model<double> model(random_weights<double>(cfg, 19));
   expect_error([&] { Engine<double>(model, {.max_running = 8, .step_tokens = 4}); },
                "step_tokens 4 must be at least max_running 8");
-  expect_error([&] { Engine<double>(model, {.max_seq_len = 97}); },
-               "max_seq_len 97 exceeds the model's seq_len 96");
+  expect_error([&] { Engine<double>(model, {.capacity = 97}); },
+               "capacity 97 exceeds the model's seq_len 96");
 }
 
 #ifdef NDEBUG

@@ -42,7 +42,7 @@ struct EngineOptions {
   /// max_running; a prompt longer than what is left waits for the next steps.
   std::size_t step_tokens = 256;
   bool prefix_cache = true;           ///< keep full blocks for later requests with the same prefix
-  std::size_t max_seq_len = 0;        ///< positions of one sequence; 0 means the model's seq_len
+  std::size_t capacity = 0;           ///< positions of one sequence; 0 means the model's seq_len
   ThreadPool* thread_pool = nullptr;  ///< the threads of every step (not owned); nullptr: none
 };
 
@@ -78,9 +78,9 @@ class Engine {
   Engine(const Model<T, W>& model, const EngineOptions& options)
       : model_(model),
         options_(checked(options, model.config())),
-        pool_(model.config(), options_.n_blocks, options_.block_size,
-              BlockPoolOptions{.max_seq_len = options_.max_seq_len,
-                               .prefix_cache = options_.prefix_cache}),
+        pool_(
+            model.config(), options_.n_blocks, options_.block_size,
+            BlockPoolOptions{.capacity = options_.capacity, .prefix_cache = options_.prefix_cache}),
         act_(model.config(), {.max_chunk = options_.step_tokens,
                               .max_batch = options_.max_running,
                               .thread_pool = options_.thread_pool}),
@@ -110,7 +110,7 @@ class Engine {
   std::shared_ptr<RequestStream> submit(RequestOptions request) {
     const ModelConfig& cfg = model_.config();
     const std::size_t p = request.prompt.size();
-    const std::size_t context = pool_.max_seq_len();
+    const std::size_t context = pool_.capacity();
     KVDECODE_CHECK(p > 0, "Engine::submit: the prompt has no tokens");
     for (std::size_t i = 0; i < p; ++i)
       KVDECODE_CHECK(request.prompt[i] >= 0 && request.prompt[i] < cfg.vocab_size,
@@ -212,9 +212,9 @@ class Engine {
   };
 
   static EngineOptions checked(EngineOptions o, const ModelConfig& cfg) {
-    if (o.max_seq_len == 0) o.max_seq_len = static_cast<std::size_t>(cfg.seq_len);
-    KVDECODE_CHECK(o.max_seq_len <= static_cast<std::size_t>(cfg.seq_len), "Engine: max_seq_len ",
-                   o.max_seq_len, " exceeds the model's seq_len ", cfg.seq_len);
+    if (o.capacity == 0) o.capacity = static_cast<std::size_t>(cfg.seq_len);
+    KVDECODE_CHECK(o.capacity <= static_cast<std::size_t>(cfg.seq_len), "Engine: capacity ",
+                   o.capacity, " exceeds the model's seq_len ", cfg.seq_len);
     KVDECODE_CHECK(o.max_running >= 1, "Engine: max_running must be at least 1");
     KVDECODE_CHECK(o.step_tokens >= o.max_running, "Engine: step_tokens ", o.step_tokens,
                    " must be at least max_running ", o.max_running,
@@ -425,7 +425,7 @@ class Engine {
     // The repetition penalty sees the latest repeat_last_n tokens, as generate() keeps them.
     const SamplerOptions& so = s.sampler.options();
     const std::size_t last_n =
-        so.repeat_penalty != 1.0 ? std::min(so.repeat_last_n, pool_.max_seq_len()) : 0;
+        so.repeat_penalty != 1.0 ? std::min(so.repeat_last_n, pool_.capacity()) : 0;
     const std::span<const std::int32_t> all(s.tokens);
     const std::int32_t token = s.sampler.sample(logits, all.last(std::min(last_n, all.size())));
     s.tokens.push_back(token);  // within the reservation
@@ -452,7 +452,7 @@ class Engine {
       end(s, FinishReason::kStopToken);
     } else if (s.generated() == s.max_tokens) {
       end(s, FinishReason::kMaxTokens);
-    } else if (s.store.size() == pool_.max_seq_len()) {
+    } else if (s.store.size() == pool_.capacity()) {
       end(s, FinishReason::kContextFull);
     }
   }

@@ -38,7 +38,7 @@ enum class FinishReason {
   kRunning,      ///< not finished yet
   kStopToken,    ///< emitted one of its stop tokens
   kMaxTokens,    ///< generated max_tokens
-  kContextFull,  ///< the sequence reached the pool's max_seq_len
+  kContextFull,  ///< the sequence reached the pool's capacity
   kCancelled,    ///< RequestStream::cancel()
   kError,        ///< the step failed; error() says why
 };
