@@ -24,6 +24,7 @@
 #include "kvdecode/error.hpp"
 #include "kvdecode/model/model_config.hpp"
 #include "kvdecode/store/kv_store.hpp"
+#include "kvdecode/store/sequence_ledger.hpp"
 
 namespace kvdecode {
 
@@ -149,11 +150,11 @@ class LowBitStore {
     }
     written_.assign(n_layers_, 0);
     quantized_layer_.assign(n_layers_, 0);
-    tokens_ = AlignedBuffer<std::int32_t>(capacity_);
+    ledger_ = SequenceLedger(kTypeName, capacity_);
   }
 
-  std::size_t size() const { return size_; }
-  std::size_t pending() const { return pending_; }
+  std::size_t size() const { return ledger_.size(); }
+  std::size_t pending() const { return ledger_.pending(); }
   std::size_t capacity() const { return capacity_; }
   std::size_t n_layers() const { return n_layers_; }
   std::size_t n_kv_heads() const { return n_kv_heads_; }
@@ -173,11 +174,11 @@ class LowBitStore {
   std::size_t memory_bytes() const {
     return key_codes_.bytes() + value_codes_.bytes() + key_min_.bytes() + key_step_.bytes() +
            value_min_.bytes() + value_step_.bytes() + residual_bytes() + work_.bytes() +
-           signs_.bytes() + tokens_.bytes() +
+           signs_.bytes() + capacity_ * sizeof(std::int32_t) +  // the ledger's reserved token ids
            (written_.size() + quantized_layer_.size()) * sizeof(std::size_t);
   }
   Options options() const { return {capacity_, group_, residual_, rotate_}; }
-  std::size_t max_append() const { return capacity_ - size_; }
+  std::size_t max_append() const { return ledger_.room(); }
   /// The quantized groups of [0, end) as codes and (min, step) pairs, the rest of it from the
   /// ring in full precision.
   std::uint64_t read_bytes(std::size_t end) const {
@@ -194,16 +195,17 @@ class LowBitStore {
   /// more keeps the groups quantized that such a store would hold exact (and truncating into
   /// a quantized group returns its kept rows to the ring decoded).
   std::size_t max_exact_rollback() const {
-    return size_ - std::min(size_, quantized_ > 0 ? quantized_ * group_ + residual_ : 0);
+    const std::size_t size = ledger_.size();
+    return size - std::min(size, quantized_ > 0 ? quantized_ * group_ + residual_ : 0);
   }
   /// The most positions the next append may bring so that no group is quantized after its
   /// first row: every row then reads what a one-at-a-time decode reads, and
   /// max_exact_rollback() afterwards covers all rows but the first. What speculative
   /// verification appends at most.
   std::size_t max_exact_append() const {
-    if (quantized_ >= n_groups_) return capacity_ - size_;
-    const std::size_t next = (quantized_ + 1) * group_ + residual_ - size_;  // ≥ 1
-    return std::min(capacity_ - size_, next == 1 ? group_ : next - 1);
+    if (quantized_ >= n_groups_) return ledger_.room();
+    const std::size_t next = (quantized_ + 1) * group_ + residual_ - ledger_.size();  // ≥ 1
+    return std::min(ledger_.room(), next == 1 ? group_ : next - 1);
   }
   std::size_t rope_position(std::size_t index) const { return index; }
   /// One group of keys and values [2][G][head_size], then its ranges decoded to T
@@ -213,32 +215,27 @@ class LowBitStore {
   }
 
   void begin_append(std::span<const std::int32_t> tokens) {
-    const std::size_t n = tokens.size();
-    KVDECODE_CHECK(pending_ == 0, kTypeName, "::begin_append: ", pending_,
-                   " positions are already pending");
-    KVDECODE_CHECK(n <= capacity_ - size_, kTypeName, ": appending ", n, " positions to ", size_,
-                   " would exceed the capacity of ", capacity_);
+    const std::size_t n = tokens.size(), size = ledger_.size();
+    ledger_.begin_append(tokens);
     // Pending row p lands in the slot of group p / G − slots; committed rows from
     // quantized_ · G on are overwritten once p reaches quantized_ · G + slots · G.
     const std::size_t first = quantized_ * group_;
-    saved_ = size_ > first && size_ + n > first + slots_ * group_;
+    saved_ = size > first && size + n > first + slots_ * group_;
     if (saved_) {
       std::copy_n(ring_keys_.data(), ring_keys_.size(), saved_keys_.data());
       std::copy_n(ring_values_.data(), ring_values_.size(), saved_values_.data());
     }
-    std::copy(tokens.begin(), tokens.end(), tokens_.data() + size_);
-    pending_ = n;
   }
 
-  std::span<const std::int32_t> tokens() const { return {tokens_.data(), size_}; }
+  std::span<const std::int32_t> tokens() const { return ledger_.tokens(); }
 
   /// Stores pending position i of a layer (k, v [kv_dim]); rows arrive in order per layer. The
   /// write that makes a group R positions old quantizes it.
   void write(std::size_t layer, std::size_t i, const T* k, const T* v) {
-    const std::size_t index = size_ + i;
-    KVDECODE_CHECK(i < pending_ && index == written_[layer], kTypeName, "::write: layer ", layer,
-                   " expects pending row ", written_[layer] - size_, " of ", pending_, ", got ", i,
-                   " (rows are written in order)");
+    const std::size_t index = ledger_.size() + i;
+    KVDECODE_CHECK(i < ledger_.pending() && index == written_[layer], kTypeName, "::write: layer ",
+                   layer, " expects pending row ", written_[layer] - ledger_.size(), " of ",
+                   ledger_.pending(), ", got ", i, " (rows are written in order)");
     for (std::size_t h = 0; h < n_kv_heads_; ++h) {
       const std::size_t at = ring_row(layer, h, index) * head_size_;
       std::copy_n(k + h * head_size_, head_size_, ring_keys_.data() + at);
@@ -253,11 +250,10 @@ class LowBitStore {
   }
 
   void commit_append() {
-    size_ += pending_;
-    pending_ = 0;
+    ledger_.commit_append();
     saved_ = false;
     quantized_ = quantized_layer_.empty() ? 0 : quantized_layer_[0];
-    std::fill(written_.begin(), written_.end(), size_);
+    std::fill(written_.begin(), written_.end(), ledger_.size());
   }
 
   /// Restores the ring if the append could have overwritten committed rows; groups the append
@@ -267,9 +263,9 @@ class LowBitStore {
       std::copy_n(saved_keys_.data(), saved_keys_.size(), ring_keys_.data());
       std::copy_n(saved_values_.data(), saved_values_.size(), ring_values_.data());
     }
-    pending_ = 0;
+    ledger_.cancel_append();
     saved_ = false;
-    std::fill(written_.begin(), written_.end(), size_);
+    std::fill(written_.begin(), written_.end(), ledger_.size());
     std::fill(quantized_layer_.begin(), quantized_layer_.end(), quantized_);
   }
 
@@ -279,8 +275,7 @@ class LowBitStore {
   /// and are quantized again when the group is: those rows then carry two quantization
   /// errors, at most s₁/2 + s₂/2 (docs/QUANTIZATION.md).
   void truncate(std::size_t n) {
-    KVDECODE_CHECK(pending_ == 0, kTypeName, "::truncate during an append");
-    KVDECODE_CHECK(n <= size_, kTypeName, "::truncate(", n, ") beyond size ", size_);
+    ledger_.check_truncate(n);
     if (n < quantized_ * group_) {
       const std::size_t g = n / group_;
       if (n % group_ != 0) {
@@ -293,13 +288,12 @@ class LowBitStore {
       }
       quantized_ = g;
     }
-    size_ = n;
-    std::fill(written_.begin(), written_.end(), size_);
+    ledger_.truncate(n);
+    std::fill(written_.begin(), written_.end(), ledger_.size());
     std::fill(quantized_layer_.begin(), quantized_layer_.end(), quantized_);
   }
   void reset() {
-    size_ = 0;
-    pending_ = 0;
+    ledger_.reset();
     quantized_ = 0;
     saved_ = false;
     std::fill(written_.begin(), written_.end(), 0);
@@ -385,9 +379,9 @@ class LowBitStore {
   /// [head_size] each.
   template <class Out>
   void save_payload(Out& out) const {
-    const std::size_t q = quantized_, p = size_ - quantized_ * group_, hs = head_size_;
-    const std::size_t code_bytes = group_ * hs / kCodesPerByte;
-    out.write(tokens_.data(), size_);
+    const std::size_t n = ledger_.size(), q = quantized_, p = n - quantized_ * group_;
+    const std::size_t hs = head_size_, code_bytes = group_ * hs / kCodesPerByte;
+    out.write(ledger_.tokens().data(), n);
     out.u64(q);
     for (std::size_t lh = 0; lh < n_layers_ * n_kv_heads_; ++lh) {
       const std::size_t g0 = lh * n_groups_;  // group_base(l, h, 0)
@@ -465,7 +459,6 @@ class LowBitStore {
     const std::size_t n = s.tokens.size(), q = s.quantized, p = n - q * group_, hs = head_size_;
     const std::size_t codes = q * group_ * hs / kCodesPerByte;
     const std::size_t code_bytes = group_ * hs / kCodesPerByte;
-    std::copy_n(s.tokens.data(), n, tokens_.data());
     for (std::size_t lh = 0; lh < n_layers_ * n_kv_heads_; ++lh) {
       const std::size_t g0 = lh * n_groups_;
       std::copy_n(s.key_codes.data() + lh * codes, codes, key_codes_.data() + g0 * code_bytes);
@@ -482,11 +475,10 @@ class LowBitStore {
         std::copy_n(s.ring_values.data() + (lh * p + i) * hs, hs, ring_values_.data() + at);
       }
     }
-    size_ = n;
-    pending_ = 0;
+    ledger_.restore(s.tokens);
     quantized_ = q;
     saved_ = false;
-    std::fill(written_.begin(), written_.end(), size_);
+    std::fill(written_.begin(), written_.end(), n);
     std::fill(quantized_layer_.begin(), quantized_layer_.end(), quantized_);
   }
 
@@ -625,10 +617,9 @@ class LowBitStore {
   std::size_t group_ = kDefaultGroup;
   std::size_t residual_ = kDefaultResidual;
   bool rotate_ = false;
-  std::size_t slots_ = 1;     // R / G + 1 group slots in the ring
-  std::size_t n_groups_ = 0;  // capacity / G groups can be quantized
-  std::size_t size_ = 0;
-  std::size_t pending_ = 0;
+  std::size_t slots_ = 1;      // R / G + 1 group slots in the ring
+  std::size_t n_groups_ = 0;   // capacity / G groups can be quantized
+  SequenceLedger ledger_;      // size, pending append, token ids [capacity reserved]
   std::size_t quantized_ = 0;  // committed groups quantized: positions [0, quantized_ · G)
   bool saved_ = false;         // saved_* hold the ring an open append may overwrite
   AlignedBuffer<std::uint8_t> key_codes_;    // [n_layers][n_kv_heads][n_groups][G][hs·Bits/8]
@@ -645,7 +636,6 @@ class LowBitStore {
   AlignedBuffer<float> signs_;        // [head_size] D of the rotation (empty without it)
   std::vector<std::size_t> written_;  // [n_layers] rows written (committed + pending)
   std::vector<std::size_t> quantized_layer_;  // [n_layers] groups quantized (incl. pending)
-  AlignedBuffer<std::int32_t> tokens_;        // [capacity] token id of each position
 };
 
 /// The 4-bit store (codes two a byte) and the 2-bit one (four a byte).
