@@ -25,18 +25,6 @@ using Tokens = std::vector<std::int32_t>;
 
 constexpr double kEps = 0x1p-24;  // f32 unit roundoff
 
-/// Forces a kernel set for one test and restores the previous one.
-class ForcedKernelSet {
- public:
-  explicit ForcedKernelSet(KernelSet s) : before_(active_kernel_set()) { force_kernel_set(s); }
-  ~ForcedKernelSet() { force_kernel_set(before_); }
-  ForcedKernelSet(const ForcedKernelSet&) = delete;
-  ForcedKernelSet& operator=(const ForcedKernelSet&) = delete;
-
- private:
-  KernelSet before_;
-};
-
 class AttentionProductsTest : public ::testing::TestWithParam<KernelSet> {
  protected:
   void SetUp() override {

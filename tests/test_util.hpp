@@ -123,4 +123,16 @@ bool same_contents(const ContiguousStore<T>& a, const ContiguousStore<T>& b, std
   return true;
 }
 
+/// Forces a kernel set for one test and restores the previous one.
+class ForcedKernelSet {
+ public:
+  explicit ForcedKernelSet(KernelSet s) : before_(active_kernel_set()) { force_kernel_set(s); }
+  ~ForcedKernelSet() { force_kernel_set(before_); }
+  ForcedKernelSet(const ForcedKernelSet&) = delete;
+  ForcedKernelSet& operator=(const ForcedKernelSet&) = delete;
+
+ private:
+  KernelSet before_;
+};
+
 }  // namespace kvdecode::testing_util
