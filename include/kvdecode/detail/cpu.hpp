@@ -40,6 +40,7 @@
 #endif
 
 #if KVDECODE_X86_KERNELS
+#include <cpuid.h>
 KVDECODE_INTRINSICS_BEGIN
 #include <immintrin.h>
 KVDECODE_INTRINSICS_END
@@ -78,6 +79,15 @@ inline std::optional<KernelSet> parse_kernel_set(std::string_view name) {
   return std::nullopt;
 }
 
+#if KVDECODE_X86_KERNELS
+/// CPUID leaf 1, ECX bit 29 (F16C): read directly, as clang 14's __builtin_cpu_supports does not
+/// know the name.
+inline bool cpu_has_f16c() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  return __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & (1u << 29)) != 0;
+}
+#endif
+
 /// Whether this CPU (and OS: the features' register state is enabled) can run set s.
 inline bool cpu_supports(KernelSet s) {
 #if KVDECODE_X86_KERNELS
@@ -85,8 +95,7 @@ inline bool cpu_supports(KernelSet s) {
     case KernelSet::kPortable:
       return true;
     case KernelSet::kAvx2:
-      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-             __builtin_cpu_supports("f16c");
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && cpu_has_f16c();
     case KernelSet::kAvx512:
       return cpu_supports(KernelSet::kAvx2) && __builtin_cpu_supports("avx512f") &&
              __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
