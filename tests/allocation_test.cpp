@@ -7,7 +7,9 @@
 
 #include <Eigen/Core>
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
+#include <thread>
 #include <vector>
 
 #include "counting_new.hpp"
@@ -57,8 +59,15 @@ void expect_quantized_decode_allocates_nothing(ThreadPool* pool) {
   const auto tokens =
       testing_util::random_tokens(static_cast<std::size_t>(cfg.seq_len), cfg.vocab_size, 1);
   // This model is too small for the projections to wake the pool, so its threads may still be
-  // starting (and allocating, under a sanitizer) when counting begins: one region first.
-  if (pool != nullptr) pool->run([](std::size_t) {});
+  // starting (and allocating, under a sanitizer) when counting begins. A region whose parts wait
+  // for each other cannot close before every worker has joined it: then all have started.
+  if (pool != nullptr) {
+    std::atomic<std::size_t> entered{0};
+    pool->run([&](std::size_t) {
+      entered.fetch_add(1);
+      while (entered.load() < pool->size()) std::this_thread::yield();
+    });
+  }
   model.decode(tokens[0], cache, act);  // warm-up outside the counted region
   const long before = g_allocations.load();
   Eigen::internal::set_is_malloc_allowed(false);
