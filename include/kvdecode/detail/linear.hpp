@@ -41,8 +41,35 @@ struct LinearScratch {
 /// cost more than the ~1 µs of work it shares out.
 inline constexpr std::size_t kMinParallelWeights = std::size_t{1} << 15;
 
+/// One token (GEMV, memory bound): threads claim chunks of ~64 KiB of weight rows of every
+/// projection from a shared counter, so a thread the OS delays holds the others up by one chunk
+/// at most. rows(p, r0, r1) computes rows [r0, r1) of projection p.
+template <class T, class W, class Rows>
+void run_row_chunks(ThreadPool& threads, std::initializer_list<Projection<T, W>> ps,
+                    std::size_t row_bytes, Rows&& rows) {
+  const std::size_t chunk = std::max<std::size_t>(16, (std::size_t{1} << 16) / row_bytes / 16 * 16);
+  std::size_t n_chunks = 0;
+  for (const Projection<T, W>& p : ps) n_chunks += (p.out + chunk - 1) / chunk;
+  std::atomic<std::size_t> next{0};
+  threads.run([&](std::size_t) {
+    for (std::size_t c = next.fetch_add(1, std::memory_order_relaxed); c < n_chunks;
+         c = next.fetch_add(1, std::memory_order_relaxed)) {
+      std::size_t first = c;  // chunk index → (projection, rows)
+      for (const Projection<T, W>& p : ps) {
+        const std::size_t here = (p.out + chunk - 1) / chunk;
+        if (first < here) {
+          const std::size_t r0 = first * chunk;
+          rows(p, r0, std::min(p.out, r0 + chunk));
+          break;
+        }
+        first -= here;
+      }
+    }
+  });
+}
+
 /// Block-format weights (W = Q8_0, Q4_0): x is quantized once into the scratch for every
-/// projection and thread (qgemv.hpp); then the one-token split above, or for several tokens a
+/// projection and thread (qgemv.hpp); then run_row_chunks for one token, or for several tokens a
 /// static split of rows, every thread running all n tokens over its rows (qgemm_rows).
 template <class T, class W>
 void linear_group_blocks(std::initializer_list<Projection<T, W>> ps, const T* x, std::size_t n,
@@ -56,27 +83,10 @@ void linear_group_blocks(std::initializer_list<Projection<T, W>> ps, const T* x,
   for (const Projection<T, W>& p : ps) weights += p.out * in;
   ThreadPool* const threads = weights >= kMinParallelWeights ? pool : nullptr;
   if (n == 1 && threads != nullptr && threads->size() > 1) {
-    const std::size_t row_bytes = in / kWeightBlock * sizeof(W);
-    const std::size_t chunk =
-        std::max<std::size_t>(16, (std::size_t{1} << 16) / row_bytes / 16 * 16);
-    std::size_t n_chunks = 0;
-    for (const Projection<T, W>& p : ps) n_chunks += (p.out + chunk - 1) / chunk;
-    std::atomic<std::size_t> next{0};
-    threads->run([&](std::size_t) {
-      for (std::size_t c = next.fetch_add(1, std::memory_order_relaxed); c < n_chunks;
-           c = next.fetch_add(1, std::memory_order_relaxed)) {
-        std::size_t first = c;  // chunk index → (projection, rows)
-        for (const Projection<T, W>& p : ps) {
-          const std::size_t here = (p.out + chunk - 1) / chunk;
-          if (first < here) {
-            const std::size_t r0 = first * chunk;
-            qgemm_rows(ks, p.y, p.w, xc, xs, 1, in, p.out, r0, std::min(p.out, r0 + chunk));
-            break;
-          }
-          first -= here;
-        }
-      }
-    });
+    run_row_chunks(*threads, ps, in / kWeightBlock * sizeof(W),
+                   [&](const Projection<T, W>& p, std::size_t r0, std::size_t r1) {
+                     qgemm_rows(ks, p.y, p.w, xc, xs, 1, in, p.out, r0, r1);
+                   });
     return;
   }
   parallel_run(threads, [&](std::size_t t, std::size_t nt) {
@@ -89,15 +99,13 @@ void linear_group_blocks(std::initializer_list<Projection<T, W>> ps, const T* x,
 
 /// Runs projections that share their input x [n][in] in one parallel region of pool, so one
 /// wake-up covers q, k and v (or gate and up). Small projections stay on the caller.
-/// One token (GEMV, memory bound): threads claim chunks of ~64 KiB of weight rows from a
-/// shared counter, so a thread the OS delays holds the others up by one chunk at most.
-/// Several tokens (GEMM, compute bound): a static split into one slice per thread (slices of
-/// 16 rows); up to kMaxFewTokens tokens with a gemm_few kernel, each weight row is streamed once
-/// for all of them and summed as the GEMV sums it; more tokens run Eigen's GEMM (gemm_cols),
-/// which packs the input once per call and wants large slices, unless this translation unit's
-/// Eigen is narrower than the set's kernels (eigen_gemm_as_wide): then gemm_packed. With
-/// bf16 weights and several tokens, x is rounded once into scratch.x_rounded for every thread (the
-/// rule in gemv.hpp).
+/// One token: run_row_chunks. Several tokens (GEMM, compute bound): a static split into one slice
+/// per thread (slices of 16 rows); up to kMaxFewTokens tokens with a gemm_few kernel, each weight
+/// row is streamed once for all of them and summed as the GEMV sums it; more tokens run Eigen's
+/// GEMM (gemm_cols), which packs the input once per call and wants large slices, unless this
+/// translation unit's Eigen is narrower than the set's kernels (eigen_gemm_as_wide): then
+/// gemm_packed. With bf16 weights and several tokens, x is rounded once into scratch.x_rounded for
+/// every thread (the rule in gemv.hpp).
 template <class T, class W>
 void linear_group_values(std::initializer_list<Projection<T, W>> ps, const T* x, std::size_t n,
                          std::size_t in, ThreadPool* pool, const LinearScratch<T>& scratch,
@@ -106,26 +114,10 @@ void linear_group_values(std::initializer_list<Projection<T, W>> ps, const T* x,
   for (const Projection<T, W>& p : ps) weights += p.out * in;
   ThreadPool* const threads = weights >= kMinParallelWeights ? pool : nullptr;
   if (n == 1 && threads != nullptr && threads->size() > 1) {
-    const std::size_t chunk =
-        std::max<std::size_t>(16, (std::size_t{1} << 16) / (in * sizeof(W)) / 16 * 16);
-    std::size_t n_chunks = 0;
-    for (const Projection<T, W>& p : ps) n_chunks += (p.out + chunk - 1) / chunk;
-    std::atomic<std::size_t> next{0};
-    threads->run([&](std::size_t) {
-      for (std::size_t c = next.fetch_add(1, std::memory_order_relaxed); c < n_chunks;
-           c = next.fetch_add(1, std::memory_order_relaxed)) {
-        std::size_t first = c;  // chunk index → (projection, rows)
-        for (const Projection<T, W>& p : ps) {
-          const std::size_t here = (p.out + chunk - 1) / chunk;
-          if (first < here) {
-            const std::size_t r0 = first * chunk;
-            gemv_rows(ks, p.y, p.w, x, r0, std::min(p.out, r0 + chunk), in);
-            break;
-          }
-          first -= here;
-        }
-      }
-    });
+    run_row_chunks(*threads, ps, in * sizeof(W),
+                   [&](const Projection<T, W>& p, std::size_t r0, std::size_t r1) {
+                     gemv_rows(ks, p.y, p.w, x, r0, r1, in);
+                   });
     return;
   }
   const T* xg = x;  // the GEMMs' input
