@@ -17,6 +17,7 @@
 #include "kvdecode/io/gguf_model.hpp"
 #include "kvdecode/io/gguf_tokenizer.hpp"
 #include "kvdecode/model/weights.hpp"
+#include "kvdecode/weight_blocks.hpp"
 
 namespace kvdecode {
 
@@ -41,9 +42,35 @@ inline ModelFormat detect_model_format(const std::filesystem::path& file) {
   return ModelFormat::kLlama2cCheckpoint;
 }
 
+/// The weight formats a model runs on (Model<float, W>: W = float, bf16, Q8_0, Q4_0).
+enum class WeightFormat { kF32, kBf16, kQ8_0, kQ4_0 };
+
+/// The format a model file keeps its layer matrices in, as a model runs them without converting
+/// a value: GGUF q8_0 / q4_0 / bf16 (the type of most layer-matrix weights, gguf_matrix_type()),
+/// f32 for GGUF f32 or f16 (f16 widens exactly) and for a llama2.c checkpoint. Throws Error as
+/// GgufFile::open() does for a GGUF file that cannot be parsed.
+inline WeightFormat stored_weight_format(const std::filesystem::path& file,
+                                         const GgufLimits& gguf_limits = {}) {
+  if (detect_model_format(file) != ModelFormat::kGguf) return WeightFormat::kF32;
+  switch (gguf_matrix_type(GgufFile::open(file, gguf_limits))) {
+    case GgmlType::kQ8_0:
+      return WeightFormat::kQ8_0;
+    case GgmlType::kQ4_0:
+      return WeightFormat::kQ4_0;
+    case GgmlType::kBf16:
+      return WeightFormat::kBf16;
+    case GgmlType::kF32:
+    case GgmlType::kF16:
+      break;
+  }
+  return WeightFormat::kF32;
+}
+
 /// Loads a GGUF file (io/gguf_model.hpp, with its vocabulary when tokenizer.ggml.model is
 /// present) or a llama2.c v0 checkpoint (io/checkpoint.hpp), into weights of type T, each under
-/// its format's limits.
+/// its format's limits. T may be a block format (Q8_0, Q4_0): a GGUF file's matrices stored in
+/// that type keep their blocks as stored, any other tensor (and a checkpoint's f32 weights) is
+/// quantized on load; load_gguf_weights() names a tensor that cannot be converted.
 template <class T = float>
 LoadedModel<T> load_model(const std::filesystem::path& file, const GgufLimits& gguf_limits = {},
                           const CheckpointLimits& checkpoint_limits = {}) {
@@ -57,6 +84,8 @@ LoadedModel<T> load_model(const std::filesystem::path& file, const GgufLimits& g
   }
   if constexpr (std::is_same_v<T, float>) {
     out.weights = load_checkpoint(file, checkpoint_limits);
+  } else if constexpr (kIsBlockFormat<T>) {
+    out.weights = quantize_weights<T>(load_checkpoint(file, checkpoint_limits));
   } else {
     out.weights = convert_weights<T>(load_checkpoint(file, checkpoint_limits));
   }
