@@ -422,8 +422,8 @@ struct Source {
   }
 };
 
-WeightType stored_weight_type(const std::filesystem::path& model) {
-  switch (kvdecode::stored_weight_format(model)) {
+WeightType weight_type(kvdecode::WeightFormat f) {
+  switch (f) {
     case kvdecode::WeightFormat::kBf16:
       return WeightType::kBf16;
     case kvdecode::WeightFormat::kQ8_0:
@@ -434,21 +434,6 @@ WeightType stored_weight_type(const std::filesystem::path& model) {
       break;
   }
   return WeightType::kF32;
-}
-
-const char* weight_type_name(WeightType t) {
-  switch (t) {
-    case WeightType::kBf16:
-      return "bf16";
-    case WeightType::kQ8_0:
-      return "q8_0";
-    case WeightType::kQ4_0:
-      return "q4_0";
-    case WeightType::kStored:
-    case WeightType::kF32:
-      break;
-  }
-  return "f32";
 }
 
 /// f32 weights (the demo model) in the format `t`.
@@ -508,16 +493,16 @@ Source load_source(const Options& o) {
             kStoriesPrompt,
             ms_since(t0)};
   }
-  const WeightType stored = stored_weight_type(model);
+  const kvdecode::StoredWeights stored = kvdecode::stored_weights(model);
   std::optional<kvdecode::GgufVocabulary> vocabulary;
-  AnyWeights weights =
-      load_as(model, o.weights == WeightType::kStored ? stored : o.weights, vocabulary);
+  AnyWeights weights = load_as(
+      model, o.weights == WeightType::kStored ? weight_type(stored.format) : o.weights, vocabulary);
   const std::int64_t vocab_size =
       std::visit([](const auto& w) { return w.config.vocab_size; }, weights);
   if (vocabulary && o.tokenizer.empty()) {
-    return {model.string(),           std::move(weights),
-            weight_type_name(stored), std::move(vocabulary->tokenizer),
-            kStoriesPrompt,           ms_since(t0)};
+    return {model.string(),     std::move(weights),
+            stored.matrix_type, std::move(vocabulary->tokenizer),
+            kStoriesPrompt,     ms_since(t0)};
   }
   const fs::path tok =
       o.tokenizer.empty() ? model.parent_path() / "tokenizer.bin" : fs::path(o.tokenizer);
@@ -536,7 +521,7 @@ Source load_source(const Options& o) {
                       (fs::equivalent(model, kjv, ec) || same_contents(model, kjv));
   return {model.string(),
           std::move(weights),
-          weight_type_name(stored),
+          stored.matrix_type,
           std::move(*tokenizer),
           is_kjv ? kKjvPrompt : kStoriesPrompt,
           ms_since(t0)};

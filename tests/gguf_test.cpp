@@ -553,6 +553,22 @@ TEST(GgufBlocksTest, TensorsThatCannotBeHeldAreNamed) {
   }
 }
 
+// The format a file runs in unchanged: its layer matrices' type when a model can hold it.
+TEST(GgufBlocksTest, StoredWeightsNameTheFilesFormat) {
+  const auto expect = [](const fs::path& file, WeightFormat format, const char* type) {
+    const StoredWeights s = stored_weights(file);
+    EXPECT_EQ(s.format, format) << file;
+    EXPECT_EQ(s.matrix_type, type) << file;
+  };
+  expect(kjv_gguf("q8_0"), WeightFormat::kQ8_0, "q8_0");
+  expect(kjv_gguf("q4_0"), WeightFormat::kQ4_0, "q4_0");
+  expect(gguf("q8_0"), WeightFormat::kF32, "q8_0");  // w2 rows of 172: f16, no Weights<Q8_0>
+  expect(gguf("bf16"), WeightFormat::kBf16, "bf16");
+  expect(gguf("f16"), WeightFormat::kF32, "f16");
+  expect(gguf("f32"), WeightFormat::kF32, "f32");
+  expect(tiny_dir() / "model.bin", WeightFormat::kF32, "f32");
+}
+
 // The planner's weight bytes are the loaded models' bytes (blocks of 34 / 18 bytes, f32 gains).
 TEST(GgufBlocksTest, PlannerCountsTheLoadedBlocks) {
   const ModelConfig& c = kjv_reference().config;

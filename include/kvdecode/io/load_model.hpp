@@ -45,25 +45,33 @@ inline ModelFormat detect_model_format(const std::filesystem::path& file) {
 /// The weight formats a model runs on (Model<float, W>: W = float, bf16, Q8_0, Q4_0).
 enum class WeightFormat { kF32, kBf16, kQ8_0, kQ4_0 };
 
-/// The format a model file keeps its layer matrices in, as a model runs them without converting
-/// a value: GGUF q8_0 / q4_0 / bf16 (the type of most layer-matrix weights, gguf_matrix_type()),
-/// f32 for GGUF f32 or f16 (f16 widens exactly) and for a llama2.c checkpoint. Throws Error as
-/// GgufFile::open() does for a GGUF file that cannot be parsed.
-inline WeightFormat stored_weight_format(const std::filesystem::path& file,
-                                         const GgufLimits& gguf_limits = {}) {
-  if (detect_model_format(file) != ModelFormat::kGguf) return WeightFormat::kF32;
-  switch (gguf_matrix_type(GgufFile::open(file, gguf_limits))) {
-    case GgmlType::kQ8_0:
-      return WeightFormat::kQ8_0;
-    case GgmlType::kQ4_0:
-      return WeightFormat::kQ4_0;
-    case GgmlType::kBf16:
-      return WeightFormat::kBf16;
-    case GgmlType::kF32:
-    case GgmlType::kF16:
-      break;
-  }
-  return WeightFormat::kF32;
+/// How a model file stores its weights.
+struct StoredWeights {
+  /// The format a model runs the file in without changing a value: GGUF q8_0 / q4_0 / bf16 as
+  /// they are; f32 for GGUF f32 or f16 (f16 widens exactly) and a llama2.c checkpoint; f32 too
+  /// for a block format whose rows a model cannot hold in blocks (dim or hidden_dim not a
+  /// multiple of 32, those rows then stored in another type), as blocks dequantize exactly.
+  WeightFormat format = WeightFormat::kF32;
+  /// The ggml type of most layer-matrix weights (gguf_matrix_type()), "f32" for a checkpoint.
+  std::string matrix_type = "f32";
+};
+
+/// How `file` stores its weights (a GGUF file's header and tensor infos are read, no data).
+/// Throws Error as gguf_model_config() does for a GGUF file that cannot be read.
+inline StoredWeights stored_weights(const std::filesystem::path& file,
+                                    const GgufLimits& gguf_limits = {}) {
+  StoredWeights out;
+  if (detect_model_format(file) != ModelFormat::kGguf) return out;
+  const GgufFile g = GgufFile::open(file, gguf_limits);
+  const GgmlType type = gguf_matrix_type(g);
+  out.matrix_type = detail::gguf::ggml_type_name(static_cast<std::uint32_t>(type));
+  const ModelConfig cfg = gguf_model_config(g);
+  const auto block = static_cast<std::int64_t>(kWeightBlock);
+  const bool whole_blocks = cfg.dim % block == 0 && cfg.hidden_dim % block == 0;
+  if (type == GgmlType::kQ8_0 && whole_blocks) out.format = WeightFormat::kQ8_0;
+  if (type == GgmlType::kQ4_0 && whole_blocks) out.format = WeightFormat::kQ4_0;
+  if (type == GgmlType::kBf16) out.format = WeightFormat::kBf16;
+  return out;
 }
 
 /// Loads a GGUF file (io/gguf_model.hpp, with its vocabulary when tokenizer.ggml.model is
