@@ -30,6 +30,7 @@
 #include <thread>
 #include <type_traits>
 #include <utility>
+#include <variant>
 #include <vector>
 
 #include "cli.hpp"
@@ -47,7 +48,7 @@ constexpr std::string_view kDemo = "demo";
 constexpr const char* kKjvPrompt = "And it came to pass";
 constexpr const char* kStoriesPrompt = "Once upon a time";
 
-enum class WeightType { kF32, kBf16, kQ8_0, kQ4_0 };
+enum class WeightType { kStored, kF32, kBf16, kQ8_0, kQ4_0 };
 enum class KvType { kF32, kInt8, kQ4, kQ2, kPaged };
 
 struct Options {
@@ -67,8 +68,8 @@ struct Options {
   std::int64_t seed = 42;  // -1: random
   std::size_t threads = std::max(1u, std::thread::hardware_concurrency());
   std::size_t chunk = 128;
-  std::size_t ctx = 0;  // 0 = the model's seq_len
-  WeightType weights = WeightType::kF32;
+  std::size_t ctx = 0;                       // 0 = the model's seq_len
+  WeightType weights = WeightType::kStored;  // as the model file stores its matrices
   KvType kv = KvType::kF32;
   std::size_t block_size = 16;
   cli::LowBitFlags low_bit;  // --kv q4 / q2 settings
@@ -118,13 +119,16 @@ void declare(CLI::App& app, Options& o) {
                  "the checkpoint's vocabulary size")
       ->group(model);
   cli::choice(app, "--weights", o.weights,
-              {{"f32", WeightType::kF32},
+              {{"stored", WeightType::kStored},
+               {"f32", WeightType::kF32},
                {"bf16", WeightType::kBf16},
                {"q8_0", WeightType::kQ8_0},
                {"q4_0", WeightType::kQ4_0}},
-              "f32; bf16: weights rounded to bfloat16, half the bytes a decode step reads; "
-              "q8_0 / q4_0: ggml's blocks of 32 weights (34 / 18 bytes), quantized on load, "
-              "integer dot products; arithmetic otherwise f32")
+              "stored: as the file keeps its layer matrices (a GGUF file's q8_0, q4_0 or bf16 "
+              "blocks as they are; f32 for f32/f16 GGUF files and llama2.c checkpoints); f32; "
+              "bf16: weights rounded to bfloat16, half the bytes a decode step reads; q8_0 / "
+              "q4_0: ggml's blocks of 32 weights (34 / 18 bytes), converted on load unless the "
+              "file stores them so, integer dot products; arithmetic otherwise f32")
       ->group(model);
 
   const char* text = "Text";
@@ -399,13 +403,62 @@ double ms_since(Clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
 }
 
+/// The weights in the format the model runs on (--weights).
+using AnyWeights =
+    std::variant<kvdecode::Weights<float>, kvdecode::Weights<kvdecode::bf16>,
+                 kvdecode::Weights<kvdecode::Q8_0>, kvdecode::Weights<kvdecode::Q4_0>>;
+
 struct Source {
   std::string name;  // for the report
-  kvdecode::Weights<float> weights;
+  AnyWeights weights;
+  std::string stored;  // the format the file keeps its layer matrices in, for the report
   kvdecode::Tokenizer tokenizer;
   std::string default_prompt;
   double load_ms = 0;
+
+  const kvdecode::ModelConfig& config() const {
+    return std::visit([](const auto& w) -> const kvdecode::ModelConfig& { return w.config; },
+                      weights);
+  }
 };
+
+WeightType weight_type(kvdecode::WeightFormat f) {
+  switch (f) {
+    case kvdecode::WeightFormat::kBf16:
+      return WeightType::kBf16;
+    case kvdecode::WeightFormat::kQ8_0:
+      return WeightType::kQ8_0;
+    case kvdecode::WeightFormat::kQ4_0:
+      return WeightType::kQ4_0;
+    case kvdecode::WeightFormat::kF32:
+      break;
+  }
+  return WeightType::kF32;
+}
+
+/// f32 weights (the demo model) in the format `t`.
+AnyWeights convert_to(kvdecode::Weights<float> w, WeightType t) {
+  using namespace kvdecode;
+  if (t == WeightType::kBf16) return convert_weights<bf16>(w);
+  if (t == WeightType::kQ8_0) return quantize_weights<Q8_0>(w);
+  if (t == WeightType::kQ4_0) return quantize_weights<Q4_0>(w);
+  return w;
+}
+
+/// The model file's weights in the format `t`, each tensor converted only when its stored type
+/// is not t's, and its vocabulary when it holds one.
+AnyWeights load_as(const std::filesystem::path& model, WeightType t,
+                   std::optional<kvdecode::GgufVocabulary>& vocabulary) {
+  using namespace kvdecode;
+  const auto take = [&](auto loaded) -> AnyWeights {
+    vocabulary = std::move(loaded.vocabulary);
+    return std::move(loaded.weights);
+  };
+  if (t == WeightType::kBf16) return take(load_model<bf16>(model));
+  if (t == WeightType::kQ8_0) return take(load_model<Q8_0>(model));
+  if (t == WeightType::kQ4_0) return take(load_model<Q4_0>(model));
+  return take(load_model<float>(model));
+}
 
 /// Whether two files hold the same bytes (the bundled KJV model under any name or path).
 bool same_contents(const std::filesystem::path& a, const std::filesystem::path& b) {
@@ -432,23 +485,33 @@ Source load_source(const Options& o) {
   }
   if (model == kDemo) {
     Tokenizer tokenizer = demo_tokenizer(kvdecode::demo_config().vocab_size);
-    return {"demo (random weights)", kvdecode::demo_weights<float>(), std::move(tokenizer),
-            kStoriesPrompt, ms_since(t0)};
+    const WeightType t = o.weights == WeightType::kStored ? WeightType::kF32 : o.weights;
+    return {"demo (random weights)",
+            convert_to(kvdecode::demo_weights<float>(), t),
+            "f32",
+            std::move(tokenizer),
+            kStoriesPrompt,
+            ms_since(t0)};
   }
-  kvdecode::LoadedModel<float> loaded = kvdecode::load_model(model);
-  kvdecode::Weights<float> weights = std::move(loaded.weights);
-  if (loaded.vocabulary && o.tokenizer.empty()) {
-    return {model.string(), std::move(weights), std::move(loaded.vocabulary->tokenizer),
-            kStoriesPrompt, ms_since(t0)};
+  const kvdecode::StoredWeights stored = kvdecode::stored_weights(model);
+  std::optional<kvdecode::GgufVocabulary> vocabulary;
+  AnyWeights weights = load_as(
+      model, o.weights == WeightType::kStored ? weight_type(stored.format) : o.weights, vocabulary);
+  const std::int64_t vocab_size =
+      std::visit([](const auto& w) { return w.config.vocab_size; }, weights);
+  if (vocabulary && o.tokenizer.empty()) {
+    return {model.string(),     std::move(weights),
+            stored.matrix_type, std::move(vocabulary->tokenizer),
+            kStoriesPrompt,     ms_since(t0)};
   }
   const fs::path tok =
       o.tokenizer.empty() ? model.parent_path() / "tokenizer.bin" : fs::path(o.tokenizer);
   std::optional<Tokenizer> tokenizer;
   try {
-    tokenizer.emplace(Tokenizer::load(tok, weights.config.vocab_size));
+    tokenizer.emplace(Tokenizer::load(tok, vocab_size));
   } catch (const kvdecode::Error& e) {
     throw kvdecode::Error(std::string(e.what()) + " (the checkpoint '" + model.string() +
-                          "' has vocab_size " + std::to_string(weights.config.vocab_size) +
+                          "' has vocab_size " + std::to_string(vocab_size) +
                           "; pass its tokenizer with --tokenizer)");
   }
   // The model's identity, not its path, picks the default prompt (read only when needed).
@@ -456,8 +519,12 @@ Source load_source(const Options& o) {
   const bool needs_default = !o.prompt && o.prompt_file.empty() && !o.interactive;
   const bool is_kjv = needs_default && fs::exists(kjv, ec) &&
                       (fs::equivalent(model, kjv, ec) || same_contents(model, kjv));
-  return {model.string(), std::move(weights), std::move(*tokenizer),
-          is_kjv ? kKjvPrompt : kStoriesPrompt, ms_since(t0)};
+  return {model.string(),
+          std::move(weights),
+          stored.matrix_type,
+          std::move(*tokenizer),
+          is_kjv ? kKjvPrompt : kStoriesPrompt,
+          ms_since(t0)};
 }
 
 std::string prompt_text(const Options& o, const Source& src) {
@@ -655,11 +722,12 @@ int generate_with(const Run& run, const kvdecode::Model<float, W>& model, S& cac
                "seq_len %lld)\n",
                run.src.name.c_str(), ll(cfg.dim), ll(cfg.n_layers), ll(cfg.n_heads),
                ll(cfg.n_kv_heads), ll(cfg.vocab_size), ll(cfg.seq_len));
-  std::fprintf(out, "weights            %s, %zu bytes\n",
-               std::is_same_v<W, bf16> ? "bf16"
-               : kIsBlockFormat<W>     ? block_format_name<W>()
-                                       : "f32",
-               model.weights().bytes());
+  const char* format = std::is_same_v<W, bf16> ? "bf16"
+                       : kIsBlockFormat<W>     ? block_format_name<W>()
+                                               : "f32";
+  std::fprintf(out, "weights            %s, %zu bytes (%s)\n", format, model.weights().bytes(),
+               run.src.stored == format ? "as stored"
+                                        : ("converted on load from " + run.src.stored).c_str());
   std::fprintf(out, "load               %.2f ms (weights and tokenizer)\n", run.src.load_ms);
   std::fprintf(out, "kernels            %s\n", active_kernel_set_name());
   std::fprintf(out, "KV store           %s, %zu bytes reserved for %s\n", describe(cache).c_str(),
@@ -915,10 +983,10 @@ int run(const Options& o) {
         throw Error("kvdecode: --draft: " + message);
       }
     }
-    if (dw.config.vocab_size != src.weights.config.vocab_size)
+    if (dw.config.vocab_size != src.config().vocab_size)
       throw Error("--draft: the draft model '" + o.draft + "' has vocab_size " +
                   std::to_string(dw.config.vocab_size) + " but the model '" + src.name +
-                  "' has vocab_size " + std::to_string(src.weights.config.vocab_size) +
+                  "' has vocab_size " + std::to_string(src.config().vocab_size) +
                   "; a draft must share the target's vocabulary");
     r.draft_name = o.draft;
     r.draft = &draft.emplace(std::move(dw));
@@ -929,21 +997,13 @@ int run(const Options& o) {
   sa.sa_handler = on_sigint;
   sigemptyset(&sa.sa_mask);
   ::sigaction(SIGINT, &sa, nullptr);
-  // The model takes the weights over (bf16: rounded copies; the f32 ones are freed here).
-  if (o.weights == WeightType::kBf16) {
-    const Model<float, bf16> model(convert_weights<bf16>(std::exchange(src.weights, {})));
-    return with_store(r, model, pool);
-  }
-  if (o.weights == WeightType::kQ8_0) {
-    const Model<float, Q8_0> model(quantize_weights<Q8_0>(std::exchange(src.weights, {})));
-    return with_store(r, model, pool);
-  }
-  if (o.weights == WeightType::kQ4_0) {
-    const Model<float, Q4_0> model(quantize_weights<Q4_0>(std::exchange(src.weights, {})));
-    return with_store(r, model, pool);
-  }
-  const Model<float> model(std::exchange(src.weights, {}));
-  return with_store(r, model, pool);
+  // The model takes the weights over, in the format they were loaded in.
+  return std::visit(
+      [&]<class W>(Weights<W>& w) {
+        const Model<float, W> model(std::exchange(w, {}));
+        return with_store(r, model, pool);
+      },
+      src.weights);
 }
 
 }  // namespace

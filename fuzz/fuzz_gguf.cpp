@@ -1,8 +1,8 @@
 // libFuzzer target: arbitrary bytes as a GGUF file. GgufFile::open, gguf_model_config,
-// load_gguf_weights and gguf_vocabulary must either throw kvdecode::Error or return results whose
-// every tensor view lies inside the file and whose weights have the config's sizes; they must
-// never crash, read out of bounds or allocate past GgufLimits (weights are bounded by the file:
-// every tensor they are decoded from lies inside it).
+// load_gguf_weights (f32 and q8_0 blocks) and gguf_vocabulary must either throw kvdecode::Error or
+// return results whose every tensor view lies inside the file and whose weights have the config's
+// sizes; they must never crash, read out of bounds or allocate past GgufLimits (weights are bounded
+// by the file: every tensor they are decoded from lies inside it).
 #include <cstddef>
 #include <cstdint>
 
@@ -36,6 +36,13 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       kf::require(
           w.token_embedding.size() == static_cast<std::size_t>(w.config.vocab_size * w.config.dim),
           "embedding size");
+    } catch (const kvdecode::Error&) {
+    }
+    try {  // blocks as stored (a q8_0 tensor) or quantized from any other type
+      const kvdecode::Weights<kvdecode::Q8_0> w = kvdecode::load_gguf_weights<kvdecode::Q8_0>(g);
+      kf::require(w.token_embedding.size() * 32 ==
+                      static_cast<std::size_t>(w.config.vocab_size * w.config.dim),
+                  "embedding blocks");
     } catch (const kvdecode::Error&) {
     }
     const kvdecode::GgufVocabulary v = kvdecode::gguf_vocabulary(g);

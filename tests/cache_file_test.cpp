@@ -310,6 +310,17 @@ TEST_F(CacheFileTest, RejectsACacheOfAnotherModel) {
   expect_rejected(file_, "was saved for another model: vocab_size 60 vs the model's 53");
 }
 
+// The element size names the weight format, a block format's as blocks.
+TEST(ModelFingerprintTest, WeightFormatsAreNamed) {
+  const ModelConfig cfg = small_config(4, 2, 48);
+  const auto with = [&](std::uint32_t bytes) { return ModelFingerprint{cfg, bytes, 7}; };
+  EXPECT_EQ(cf::fingerprint_difference(with(34), with(4)),
+            "q8_0 weights (34-byte blocks of 32) vs the model's f32 weights");
+  EXPECT_EQ(cf::fingerprint_difference(with(2), with(18)),
+            "bf16 weights vs the model's q4_0 weights (18-byte blocks of 32)");
+  EXPECT_EQ(cf::fingerprint_difference(with(8), with(8)), "");
+}
+
 TEST_F(CacheFileTest, RejectsAnotherStoreKindAndElementSize) {
   save_prefix(6);
   auto b = read_bytes(file_);

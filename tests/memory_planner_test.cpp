@@ -223,8 +223,29 @@ TEST(MemoryPlannerTest, WeightBytesEqualWeightsBytes) {
       cfg.shared_classifier = shared;
       EXPECT_EQ(weight_bytes<float>(cfg), Weights<float>(cfg).bytes());
       EXPECT_EQ(weight_bytes<bf16>(cfg), Weights<bf16>(cfg).bytes());
+      if (cfg.dim % 32 == 0 && cfg.hidden_dim % 32 == 0) {
+        EXPECT_EQ(weight_bytes<Q8_0>(cfg), Weights<Q8_0>(cfg).bytes());
+        EXPECT_EQ(weight_bytes<Q4_0>(cfg), Weights<Q4_0>(cfg).bytes());
+      }
     }
   }
+}
+
+// Block formats by hand, the 15M shape: 9216000 embedding + 6 × 995328 layer matrix weights
+// = 15187968, in blocks of 32 (34 bytes q8_0, 18 bytes q4_0), and 13 f32 gains of 288.
+TEST(MemoryPlannerTest, WeightBytesOfBlockFormats) {
+  constexpr ModelConfig cfg = testing_util::test_config({.dim = 288,
+                                                         .hidden_dim = 768,
+                                                         .n_layers = 6,
+                                                         .n_heads = 6,
+                                                         .n_kv_heads = 6,
+                                                         .vocab_size = 32000,
+                                                         .seq_len = 256});
+  static_assert(weight_bytes<Q8_0>(cfg) == 15187968 / 32 * 34 + 13 * 288 * 4);
+  static_assert(weight_bytes<Q4_0>(cfg) == 15187968 / 32 * 18 + 13 * 288 * 4);
+  static_assert(weight_bytes<float>(cfg) == (15187968 + 13 * 288) * 4);
+  EXPECT_EQ(weight_bytes<Q8_0>(cfg), 16152192u);
+  EXPECT_EQ(weight_bytes<Q4_0>(cfg), 8558208u);
 }
 
 // A server can size caches at compile time: the 15M shape with seq_len 2048 (6 layers, 6 kv

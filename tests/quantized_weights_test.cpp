@@ -172,18 +172,23 @@ void check_kernel(KernelSet ks, std::size_t rows, std::size_t cols, std::size_t 
   std::fill_n(x.begin(), kWeightBlock, 0.0f);
   std::vector<std::int8_t> xc(n * cols);
   std::vector<float> xs(n * nb);
-  detail::quantize_activations(x.data(), n, cols, xc.data(), xs.data());
+  std::vector<std::int32_t> xo(n * cols / 4);
+  detail::quantize_activations(x.data(), n, cols, xc.data(), xs.data(), xo.data());
+  for (std::size_t g = 0; g < xo.size(); ++g)  // the offsets' definition
+    ASSERT_EQ(xo[g], -8 * (xc[4 * g] + xc[4 * g + 1] + xc[4 * g + 2] + xc[4 * g + 3])) << g;
 
   std::vector<float> y(n * rows, -1.0f);
-  detail::qgemm_rows(ks, y.data(), w.data(), xc.data(), xs.data(), n, cols, rows, 0, rows);
+  detail::qgemm_rows(ks, y.data(), w.data(), xc.data(), xs.data(), xo.data(), n, cols, rows, 0,
+                     rows);
   std::vector<float> y1(rows);
   for (std::size_t t = 0; t < n; ++t) {
     // The same token alone, in two row ranges: bit for bit the batched output.
     const std::size_t mid = rows / 2;
-    detail::qgemm_rows(ks, y1.data(), w.data(), xc.data() + t * cols, xs.data() + t * nb, 1, cols,
-                       rows, 0, mid);
-    detail::qgemm_rows(ks, y1.data(), w.data(), xc.data() + t * cols, xs.data() + t * nb, 1, cols,
-                       rows, mid, rows);
+    const std::int32_t* const xot = xo.data() + t * cols / 4;
+    detail::qgemm_rows(ks, y1.data(), w.data(), xc.data() + t * cols, xs.data() + t * nb, xot, 1,
+                       cols, rows, 0, mid);
+    detail::qgemm_rows(ks, y1.data(), w.data(), xc.data() + t * cols, xs.data() + t * nb, xot, 1,
+                       cols, rows, mid, rows);
     for (std::size_t r = 0; r < rows; ++r) {
       ASSERT_EQ(std::memcmp(&y1[r], &y[t * rows + r], sizeof(float)), 0) << "token " << t;
       double exact = 0;
@@ -235,8 +240,58 @@ TEST_P(QuantKernelTest, ExtremeCodesSumExactly) {
   for (std::size_t j = 0; j < cols; ++j) xc[j] = static_cast<std::int8_t>(j % 2 == 0 ? -127 : 127);
   const float xs[2] = {1.0f, 1.0f};
   float y = 0;
-  detail::qgemm_rows(ks(), &y, w.data(), xc.data(), xs, 1, cols, 1, 0, 1);
+  detail::qgemm_rows(ks(), &y, w.data(), xc.data(), xs, nullptr, 1, cols, 1, 0, 1);
   EXPECT_EQ(y, 64.0f / 2 * (128.0f * 127 + 127.0f * 127));
+  // q4_0 codes 0 and 15 (−8 and +7) against ±127, all products of one sign: the largest q4_0
+  // block sums, with the −8 of every nibble carried by the input's offsets in the avx512bf16 set.
+  std::vector<Q4_0> w4(2);
+  for (std::size_t b = 0; b < 2; ++b) {
+    w4[b].d = float_to_f16(1.0f);
+    for (int j = 0; j < 16; ++j) w4[b].qs[j] = static_cast<std::uint8_t>(j % 2 == 0 ? 0xF0 : 0x0F);
+  }
+  for (std::size_t e = 0; e < cols; ++e) {  // element e % 32 < 16: low nibble of byte e % 16
+    const std::size_t j = e % 32;
+    const bool minus8 = j < 16 ? j % 2 == 0 : (j - 16) % 2 == 1;
+    xc[e] = static_cast<std::int8_t>(minus8 ? -127 : 127);
+  }
+  std::vector<std::int32_t> xo(cols / 4);
+  for (std::size_t g = 0; g < xo.size(); ++g)
+    xo[g] = -8 * (xc[4 * g] + xc[4 * g + 1] + xc[4 * g + 2] + xc[4 * g + 3]);
+  detail::qgemm_rows(ks(), &y, w4.data(), xc.data(), xs, xo.data(), 1, cols, 1, 0, 1);
+  EXPECT_EQ(y, 2.0f * 16 * (8 * 127 + 7 * 127));
+}
+
+// The avx512bf16 kernels (vpdpbusd; q4_0 from unsigned nibbles and the input's offsets) give the
+// AVX2 kernels' outputs bit for bit: the same integer lane sums, scaled and added alike.
+TEST(QuantKernelSetsTest, VnniEqualsAvx2BitForBit) {
+  if (!cpu_supports(KernelSet::kAvx512Bf16) || !cpu_supports(KernelSet::kAvx2))
+    GTEST_SKIP() << "needs AVX2 and AVX512_BF16";
+  const auto run = [](auto block, KernelSet ks, std::size_t rows, std::size_t cols, std::size_t n) {
+    using B = decltype(block);
+    const std::size_t nb = cols / kWeightBlock;
+    const auto wf = random_floats(rows * cols, rows + cols, 0.2);
+    std::vector<B> w(rows * nb);
+    quantize_row(wf.data(), w.data(), rows * cols);
+    const auto x = random_floats(n * cols, n + cols, 4.0);
+    std::vector<std::int8_t> xc(n * cols);
+    std::vector<float> xs(n * nb);
+    std::vector<std::int32_t> xo(n * cols / 4);
+    detail::quantize_activations(x.data(), n, cols, xc.data(), xs.data(), xo.data());
+    std::vector<float> y(n * rows);
+    detail::qgemm_rows(ks, y.data(), w.data(), xc.data(), xs.data(), xo.data(), n, cols, rows, 0,
+                       rows);
+    return y;
+  };
+  for (const std::size_t cols : {32, 96, 160, 800, 2048}) {
+    for (const std::size_t n : {1, 3}) {
+      const auto a4 = run(Q4_0{}, KernelSet::kAvx2, 19, cols, n);
+      const auto v4 = run(Q4_0{}, KernelSet::kAvx512Bf16, 19, cols, n);
+      EXPECT_EQ(std::memcmp(a4.data(), v4.data(), a4.size() * sizeof(float)), 0) << "q4_0 " << cols;
+      const auto a8 = run(Q8_0{}, KernelSet::kAvx2, 19, cols, n);
+      const auto v8 = run(Q8_0{}, KernelSet::kAvx512Bf16, 19, cols, n);
+      EXPECT_EQ(std::memcmp(a8.data(), v8.data(), a8.size() * sizeof(float)), 0) << "q8_0 " << cols;
+    }
+  }
 }
 
 // The projection scheduler at 1, 2 and 3 threads: the same outputs bit for bit.
@@ -251,7 +306,9 @@ TEST_P(QuantKernelTest, LinearGroupThreadsAgree) {
     const auto x = random_floats(n * in, 9 + n);
     std::vector<std::int8_t> codes(n * in);
     std::vector<float> scales(n * in / kWeightBlock);
-    const detail::LinearScratch<float> scratch{nullptr, 0, nullptr, codes.data(), scales.data()};
+    std::vector<std::int32_t> offsets(n * in / 4);
+    const detail::LinearScratch<float> scratch{
+        nullptr, 0, nullptr, codes.data(), scales.data(), offsets.data()};
     std::vector<float> y0(n * out);
     detail::linear_group<float, Q4_0>({{y0.data(), w.data(), out}}, x.data(), n, in, nullptr,
                                       scratch, ks());

@@ -124,29 +124,37 @@ def round_half_away(x):
     return int(math.floor(abs(x) + 0.5)) * (1 if x >= 0 else -1)
 
 
+def f32(x):
+    """x rounded to float32, as ggml's quantizers compute (every step of a float32 +, *, / is one
+    rounding of the double result: double holds more than 2 * 24 + 2 bits, so no double rounding)."""
+    return struct.unpack("<f", struct.pack("<f", x))[0]
+
+
 def encode_q8_0(values):
-    """Blocks of 32: f16 d = max|x| / 127, then int8 q = round(x / d)."""
+    """ggml's quantize_row_q8_0_ref, in float32: blocks of 32, d = max|x| / 127, q = round(x / d)
+    (half away from zero), d stored as f16."""
     out = bytearray()
     for b in range(0, len(values), 32):
         block = values[b:b + 32]
         amax = max(abs(x) for x in block)
-        d = amax / 127.0
-        inv = 1.0 / d if d else 0.0
+        d = f32(amax / 127.0)
+        inv = f32(1.0 / d) if d else 0.0
         out += struct.pack("<e", d)
-        out += struct.pack("<32b", *(round_half_away(x * inv) for x in block))
+        out += struct.pack("<32b", *(round_half_away(f32(x * inv)) for x in block))
     return bytes(out)
 
 
 def encode_q4_0(values):
-    """Blocks of 32: f16 d = m / -8 where m is the element of largest magnitude, then 4-bit codes
-    q = min(15, trunc(x / d + 8.5)); byte j holds element j (low nibble) and j + 16 (high)."""
+    """ggml's quantize_row_q4_0_ref, in float32: blocks of 32, d = m / -8 where m is the first
+    element of largest magnitude, codes q = min(15, trunc(x / d + 8.5)); byte j holds element j
+    (low nibble) and j + 16 (high); d stored as f16."""
     out = bytearray()
     for b in range(0, len(values), 32):
         block = values[b:b + 32]
         m = max(block, key=abs)
-        d = m / -8.0
-        inv = 1.0 / d if d else 0.0
-        codes = [min(15, int(x * inv + 8.5)) for x in block]
+        d = f32(m / -8.0)
+        inv = f32(1.0 / d) if d else 0.0
+        codes = [min(15, int(f32(f32(x * inv) + 8.5))) for x in block]
         out += struct.pack("<e", d)
         out += bytes(codes[j] | (codes[j + 16] << 4) for j in range(16))
     return bytes(out)

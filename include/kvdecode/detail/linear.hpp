@@ -30,11 +30,12 @@ struct Projection {
 /// The scratch a multi-token projection needs (none for one token).
 template <class T>
 struct LinearScratch {
-  T* panels = nullptr;             // [threads][kPanelRows][in] widened bf16 weights (W ≠ T)
-  std::size_t panel_stride = 0;    // elements between two threads' panels
-  T* x_rounded = nullptr;          // [n][in] x rounded to bf16 (W ≠ T)
-  std::int8_t* x_codes = nullptr;  // [n][in] x quantized (block-format W)
-  float* x_scales = nullptr;       // [n][in / 32] their scales (block-format W)
+  T* panels = nullptr;                // [threads][kPanelRows][in] widened bf16 weights (W ≠ T)
+  std::size_t panel_stride = 0;       // elements between two threads' panels
+  T* x_rounded = nullptr;             // [n][in] x rounded to bf16 (W ≠ T)
+  std::int8_t* x_codes = nullptr;     // [n][in] x quantized (block-format W)
+  float* x_scales = nullptr;          // [n][in / 32] their scales (block-format W)
+  std::int32_t* x_offsets = nullptr;  // [n][in / 4] −8 × each 4 codes' sum (block-format W)
 };
 
 /// Below this many weights a projection runs on one thread: waking the pool (~1-2 µs) would
@@ -76,23 +77,25 @@ void linear_group_blocks(std::initializer_list<Projection<T, W>> ps, const T* x,
                          std::size_t in, ThreadPool* pool, const LinearScratch<T>& scratch,
                          KernelSet ks) {
   static_assert(std::is_same_v<T, float>, "block-format weights compute in f32");
-  quantize_activations(x, n, in, scratch.x_codes, scratch.x_scales);
+  quantize_activations(x, n, in, scratch.x_codes, scratch.x_scales,
+                       std::is_same_v<W, Q4_0> ? scratch.x_offsets : nullptr);
   const std::int8_t* const xc = scratch.x_codes;
   const float* const xs = scratch.x_scales;
+  const std::int32_t* const xo = scratch.x_offsets;
   std::size_t weights = 0;
   for (const Projection<T, W>& p : ps) weights += p.out * in;
   ThreadPool* const threads = weights >= kMinParallelWeights ? pool : nullptr;
   if (n == 1 && threads != nullptr && threads->size() > 1) {
     run_row_chunks(*threads, ps, in / kWeightBlock * sizeof(W),
                    [&](const Projection<T, W>& p, std::size_t r0, std::size_t r1) {
-                     qgemm_rows(ks, p.y, p.w, xc, xs, 1, in, p.out, r0, r1);
+                     qgemm_rows(ks, p.y, p.w, xc, xs, xo, 1, in, p.out, r0, r1);
                    });
     return;
   }
   parallel_run(threads, [&](std::size_t t, std::size_t nt) {
     for (const Projection<T, W>& p : ps) {
       const auto [r0, r1] = ThreadPool::share(p.out, nt, t, 16);
-      if (r1 > r0) qgemm_rows(ks, p.y, p.w, xc, xs, n, in, p.out, r0, r1);
+      if (r1 > r0) qgemm_rows(ks, p.y, p.w, xc, xs, xo, n, in, p.out, r0, r1);
     }
   });
 }

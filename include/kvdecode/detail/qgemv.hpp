@@ -21,12 +21,18 @@ namespace kvdecode::detail {
 // The input, quantized once per call.
 // ---------------------------------------------------------------------------------------------
 
+/// Codes per entry of quantize_activations' `offsets`: the four bytes vpdpbusd sums per lane.
+inline constexpr std::size_t kOffsetGroup = 4;
+
 /// x [n][in] → codes [n][in], scales [n][in / 32]: per block d = max|x| / 127 (f32, not
 /// ggml's binary16, which would add a rounding of its own), codes = nearest(x / d) in
 /// [−127, 127], so |x − code · d| ≤ d / 2. A block holding a non-finite value gets codes 0 and
 /// d = NaN, so its products are NaN as an f32 GEMV's would be. in must be a multiple of 32.
+/// offsets [n][in / 4] (may be null): −8 × the sum of each 4 consecutive codes, so a Q4_0 kernel
+/// can multiply the unsigned nibbles q and add this to get Σ (q − 8)·x without subtracting 8
+/// from every nibble of every row.
 inline void quantize_activations(const float* x, std::size_t n, std::size_t in, std::int8_t* codes,
-                                 float* scales) {
+                                 float* scales, std::int32_t* offsets = nullptr) {
   for (std::size_t b = 0; b < n * (in / kWeightBlock); ++b) {
     const float* xb = x + b * kWeightBlock;
     float amax = 0;
@@ -42,6 +48,12 @@ inline void quantize_activations(const float* x, std::size_t n, std::size_t in, 
       const float q = std::nearbyint(xb[j] * id);
       codes[b * kWeightBlock + j] = static_cast<std::int8_t>(std::clamp(q, -127.0f, 127.0f));
     }
+  }
+  if (offsets == nullptr) return;
+  for (std::size_t g = 0; g < n * in / kOffsetGroup; ++g) {
+    std::int32_t sum = 0;
+    for (std::size_t j = 0; j < kOffsetGroup; ++j) sum += codes[g * kOffsetGroup + j];
+    offsets[g] = -8 * sum;
   }
 }
 
@@ -169,48 +181,70 @@ KVDECODE_TARGET_AVX2 inline void qgemm_rows_avx2(float* y, const B* w, const std
 // instruction, exactly (no 16-bit intermediate); 256-bit, as a block is 32 bytes.
 // ---------------------------------------------------------------------------------------------
 
-KVDECODE_TARGET_AVX512BF16 inline __m256i block_dot_vnni(__m256i w, const std::int8_t* xc) {
+KVDECODE_TARGET_AVX512BF16 inline __m256i block_dot_vnni(const Q8_0& w, const std::int8_t* xc,
+                                                         const std::int32_t*) {
+  const __m256i wc = block_codes_avx2(w);
   const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc));
   // vpdpbusd: the first operand unsigned, the second signed.
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(w, w),
-                             _mm256_sign_epi8(x, w));
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(wc, wc),
+                             _mm256_sign_epi8(x, wc));
+}
+
+/// Q4_0: the unsigned nibbles q straight into vpdpbusd, which adds them to the input's offsets
+/// (−8 × each lane's four codes): Σ q·x − 8·Σ x = Σ (q − 8)·x, lane by lane the integers the
+/// signed form gives.
+KVDECODE_TARGET_AVX512BF16 inline __m256i block_dot_vnni(const Q4_0& w, const std::int8_t* xc,
+                                                         const std::int32_t* offsets) {
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qs));
+  const __m128i low = _mm_set1_epi8(15);
+  const __m256i nibbles = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), low),  // 16..31
+                                           _mm_and_si128(q, low));                    // 0..15
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc));
+  const __m256i init = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(offsets));
+  return _mm256_dpbusd_epi32(init, nibbles, x);
 }
 
 /// acc + (d_w · d_x) · the block's integer dot product, as 8 lanes.
 template <class B>
-KVDECODE_TARGET_AVX512BF16 inline __m256 qblock_vnni(const B& w, const std::int8_t* xc, float xs,
+KVDECODE_TARGET_AVX512BF16 inline __m256 qblock_vnni(const B& w, const std::int8_t* xc,
+                                                     const std::int32_t* offsets, float xs,
                                                      __m256 acc) {
-  const __m256 s = _mm256_cvtepi32_ps(block_dot_vnni(block_codes_avx2(w), xc));
+  const __m256 s = _mm256_cvtepi32_ps(block_dot_vnni(w, xc, offsets));
   return _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(w.d) * xs), s, acc);
 }
 
-/// One row · one token, as qdot_avx2.
+/// One row · one token, as qdot_avx2. xo: the token's offsets (Q4_0 only).
 template <class B>
 KVDECODE_TARGET_AVX512BF16 inline float qdot_vnni(const B* w, const std::int8_t* xc,
-                                                  const float* xs, std::size_t nb) {
+                                                  const std::int32_t* xo, const float* xs,
+                                                  std::size_t nb) {
+  constexpr std::size_t kLanes = kWeightBlock / kOffsetGroup;
   __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
                    _mm256_setzero_ps()};
   std::size_t b = 0;
   for (; b + 4 <= nb; b += 4) {
     KVDECODE_UNROLL
     for (std::size_t i = 0; i < 4; ++i)
-      acc[i] = qblock_vnni(w[b + i], xc + (b + i) * kWeightBlock, xs[b + i], acc[i]);
+      acc[i] = qblock_vnni(w[b + i], xc + (b + i) * kWeightBlock, xo + (b + i) * kLanes, xs[b + i],
+                           acc[i]);
   }
   for (std::size_t i = 0; b < nb; ++b, ++i)
-    acc[i] = qblock_vnni(w[b], xc + b * kWeightBlock, xs[b], acc[i]);
+    acc[i] = qblock_vnni(w[b], xc + b * kWeightBlock, xo + b * kLanes, xs[b], acc[i]);
   return reduce_add_q_avx2(
       _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
 }
 
 template <class B>
 KVDECODE_TARGET_AVX512BF16 inline void qgemm_rows_vnni(float* y, const B* w, const std::int8_t* xc,
-                                                       const float* xs, std::size_t n,
-                                                       std::size_t in, std::size_t out,
-                                                       std::size_t r0, std::size_t r1) {
+                                                       const std::int32_t* xo, const float* xs,
+                                                       std::size_t n, std::size_t in,
+                                                       std::size_t out, std::size_t r0,
+                                                       std::size_t r1) {
   const std::size_t nb = in / kWeightBlock;
   for (std::size_t r = r0; r < r1; ++r)
     for (std::size_t t = 0; t < n; ++t)
-      y[t * out + r] = qdot_vnni(w + r * nb, xc + t * in, xs + t * nb, nb);
+      y[t * out + r] =
+          qdot_vnni(w + r * nb, xc + t * in, xo + t * (in / kOffsetGroup), xs + t * nb, nb);
 }
 
 KVDECODE_INTRINSICS_END
@@ -221,17 +255,20 @@ KVDECODE_INTRINSICS_END
 // ---------------------------------------------------------------------------------------------
 
 /// y [n][out] rows [r0, r1) = w [out][in / 32] · x for each of n tokens, x given quantized by
-/// quantize_activations (codes [n][in], scales [n][in / 32]). A (row, token) output depends on
-/// neither the range nor n, so threads and batches get the single-token result bit for bit.
-/// The avx512 set runs the AVX2 kernel (a block fills a 256-bit register; the loop is bound
-/// by memory, not by vector width); avx512bf16 replaces maddubs + madd by vpdpbusd.
+/// quantize_activations (codes [n][in], scales [n][in / 32], offsets [n][in / 4]; the offsets
+/// are read by the avx512bf16 Q4_0 kernel only and may be null otherwise). A (row, token) output
+/// depends on neither the range nor n, so threads and batches get the single-token result bit
+/// for bit. The avx512 set runs the AVX2 kernel (a block fills a 256-bit register; the loop is
+/// bound by memory, not by vector width); avx512bf16 replaces maddubs + madd by vpdpbusd, whose
+/// lanes sum the same four products, so it gives the AVX2 kernel's outputs bit for bit.
 template <class B>
 void qgemm_rows(KernelSet ks, float* y, const B* w, const std::int8_t* xc, const float* xs,
-                std::size_t n, std::size_t in, std::size_t out, std::size_t r0, std::size_t r1) {
+                const std::int32_t* xo, std::size_t n, std::size_t in, std::size_t out,
+                std::size_t r0, std::size_t r1) {
 #if KVDECODE_X86_KERNELS
   switch (ks) {
     case KernelSet::kAvx512Bf16:
-      return qgemm_rows_vnni(y, w, xc, xs, n, in, out, r0, r1);
+      return qgemm_rows_vnni(y, w, xc, xo, xs, n, in, out, r0, r1);
     case KernelSet::kAvx512:
     case KernelSet::kAvx2:
       return qgemm_rows_avx2(y, w, xc, xs, n, in, out, r0, r1);
@@ -240,6 +277,7 @@ void qgemm_rows(KernelSet ks, float* y, const B* w, const std::int8_t* xc, const
   }
 #endif
   static_cast<void>(ks);
+  static_cast<void>(xo);
   const std::size_t nb = in / kWeightBlock;
   for (std::size_t r = r0; r < r1; ++r)
     for (std::size_t t = 0; t < n; ++t)

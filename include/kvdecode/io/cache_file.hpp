@@ -90,7 +90,8 @@ class Checksum {
 /// exact weights that computed it, so restore compares all of it.
 struct ModelFingerprint {
   ModelConfig config;
-  std::uint32_t weight_bytes = 0;  ///< bytes per stored weight element (4 f32, 8 f64, 2 bf16)
+  std::uint32_t weight_bytes = 0;  ///< sizeof the weight element: 4 f32, 8 f64, 2 bf16, or a
+                                   ///< block of 32: 34 q8_0, 18 q4_0
   std::uint64_t weights_hash = 0;  ///< XXH3-64 over (element count, XXH3-64 of bytes) per tensor
 
   friend bool operator==(const ModelFingerprint&, const ModelFingerprint&) = default;
@@ -351,6 +352,24 @@ inline File open_for_reading(const std::filesystem::path& file, const std::strin
   return f;
 }
 
+/// The weight format a fingerprint's element size stands for (sizeof(W) of the Model's W).
+inline std::string describe_weight_bytes(std::uint32_t bytes) {
+  switch (bytes) {
+    case 2:
+      return "bf16 weights";
+    case 4:
+      return "f32 weights";
+    case 8:
+      return "f64 weights";
+    case sizeof(Q4_0):
+      return concat("q4_0 weights (", bytes, "-byte blocks of ", kWeightBlock, ")");
+    case sizeof(Q8_0):
+      return concat("q8_0 weights (", bytes, "-byte blocks of ", kWeightBlock, ")");
+    default:
+      return concat(bytes, "-byte weights");
+  }
+}
+
 /// The first difference between the file's model and the target's, or "" when they agree.
 inline std::string fingerprint_difference(const ModelFingerprint& file,
                                           const ModelFingerprint& model) {
@@ -369,8 +388,8 @@ inline std::string fingerprint_difference(const ModelFingerprint& file,
     return concat("shared_classifier ", file.config.shared_classifier, " vs the model's ",
                   model.config.shared_classifier);
   if (file.weight_bytes != model.weight_bytes)
-    return concat(file.weight_bytes, "-byte weights vs the model's ", model.weight_bytes,
-                  "-byte weights");
+    return concat(describe_weight_bytes(file.weight_bytes), " vs the model's ",
+                  describe_weight_bytes(model.weight_bytes));
   if (file.weights_hash != model.weights_hash)
     return concat("weights hash ", hex(file.weights_hash), " vs the model's ",
                   hex(model.weights_hash), " (same shape, different weights)");

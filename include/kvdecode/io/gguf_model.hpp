@@ -1,8 +1,10 @@
 // A llama-architecture model from a GGUF file: ModelConfig from the llama.* metadata and
 // Weights<T> from the tensors, each converted from its stored type (f32, f16, bf16, q8_0, q4_0)
-// into T. Anything the library does not run is refused by name. docs/FORMATS.md §5.
+// into T; q8_0 / q4_0 matrices loaded into Weights<Q8_0> / Weights<Q4_0> keep their blocks as
+// stored. Anything the library does not run is refused by name. docs/FORMATS.md §5.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <bit>
 #include <cmath>
@@ -20,6 +22,7 @@
 #include "kvdecode/io/gguf.hpp"
 #include "kvdecode/model/model_config.hpp"
 #include "kvdecode/model/weights.hpp"
+#include "kvdecode/weight_blocks.hpp"
 
 namespace kvdecode {
 
@@ -109,8 +112,14 @@ void decode_tensor(GgmlType type, std::span<const std::byte> src, std::uint64_t 
   KVDECODE_FAIL("gguf: ggml type ", static_cast<std::uint32_t>(type), " cannot be decoded");
 }
 
-/// The one place a stored tensor becomes a Weights buffer: f32/f16/bf16 are converted to T, and
-/// q8_0/q4_0 are dequantized (a model that keeps quantized blocks would take them over here).
+/// The ggml type whose blocks are B's, byte for byte.
+template <class B>
+constexpr GgmlType block_type() {
+  return std::is_same_v<B, Q8_0> ? GgmlType::kQ8_0 : GgmlType::kQ4_0;
+}
+
+/// The one place a stored tensor becomes a Weights buffer of values (f32, f64, bf16): each
+/// stored type is converted to T, q8_0/q4_0 dequantized.
 template <class T>
 void load_tensor(const GgufTensorInfo& t, AlignedBuffer<T>& dst) {
   if constexpr (std::is_same_v<T, bf16>) {
@@ -126,6 +135,28 @@ void load_tensor(const GgufTensorInfo& t, AlignedBuffer<T>& dst) {
     }
   } else {
     decode_tensor<T>(t.type, t.data, t.elements, dst.data());
+  }
+}
+
+/// A matrix in block format B: a tensor stored as B's ggml type is copied block for block, as
+/// stored (no dequantize/requantize round trip); any other type (f32, f16, bf16, the other
+/// block format) is decoded to f32 a row at a time and quantized as ggml's reference quantizer
+/// does. The caller has checked the dims and that a row is whole blocks.
+template <class B>
+requires kIsBlockFormat<B>
+void load_tensor(const GgufTensorInfo& t, AlignedBuffer<B>& dst) {
+  if (t.type == block_type<B>()) {
+    load_blocks(dst, t.data, std::string(t.name).c_str());
+    return;
+  }
+  const std::uint64_t in = t.dims[0];
+  const std::uint64_t rows = t.elements / in;
+  const std::uint64_t row_bytes = t.bytes / rows;
+  std::vector<float> row(static_cast<std::size_t>(in));  // [in]
+  for (std::uint64_t r = 0; r < rows; ++r) {
+    decode_tensor<float>(t.type, t.data.subspan(static_cast<std::size_t>(r * row_bytes)), in,
+                         row.data());
+    quantize_row(row.data(), dst.data() + r * (in / kWeightBlock), static_cast<std::size_t>(in));
   }
 }
 
@@ -224,9 +255,14 @@ inline ModelConfig gguf_model_config(const GgufFile& g) {
 }
 
 /// Loads the weights of a GGUF llama model (config as gguf_model_config()), converting each
-/// tensor to T. Throws Error naming the tensor when one is missing, has other dims than the
-/// config implies, or when the file holds a tensor this architecture does not use (e.g.
-/// rope_freqs.weight, Llama 3.1's RoPE scaling). On failure nothing is returned.
+/// tensor to T: f32, f64 or bf16 values, or a block format (Q8_0, Q4_0) whose matrices keep the
+/// file's blocks exactly when they are stored in that type and are quantized from the decoded
+/// values otherwise (the RMSNorm gains are f32 in a block format). The blocks are copied into the
+/// weights' own aligned buffers, so the model does not depend on the file staying mapped. Throws
+/// Error naming the tensor when one is missing, has other dims than the config implies, has rows
+/// that are not whole blocks of 32 when T is a block format, or when the file holds a tensor
+/// this architecture does not use (e.g. rope_freqs.weight, Llama 3.1's RoPE scaling). On failure
+/// nothing is returned.
 template <class T>
 Weights<T> load_gguf_weights(const GgufFile& g) {
   namespace gg = detail::gguf;
@@ -246,6 +282,13 @@ Weights<T> load_gguf_weights(const GgufFile& g) {
     KVDECODE_CHECK(ok, ctx, ": tensor '", gname, "' (info at byte ", t->info_offset, ") has dims ",
                    gg::describe_dims(*t), ", expected {", dims[0],
                    n_dims == 2 ? detail::concat(", ", dims[1]) : std::string(), "} for ", shape);
+    if constexpr (kIsBlockFormat<T>) {
+      KVDECODE_CHECK(n_dims == 1 || dims[0] % kWeightBlock == 0, ctx, ": tensor '", gname, "' (",
+                     gg::ggml_type_name(static_cast<std::uint32_t>(t->type)), ", dims ",
+                     gg::describe_dims(*t), ") has rows of ", dims[0],
+                     " weights, which cannot be held in ", block_format_name<T>(), " blocks of ",
+                     kWeightBlock, "; load the file with f32 or bf16 weights");
+    }
     expected.insert(gname);
   });
   for (const GgufTensorInfo& t : g.tensors()) {
@@ -255,10 +298,26 @@ Weights<T> load_gguf_weights(const GgufFile& g) {
                    t.name == "rope_freqs.weight" ? " (per-dimension RoPE frequency factors)" : "");
   }
   Weights<T> w(cfg);
-  w.for_each_tensor([&](const char* name, std::int64_t layer, AlignedBuffer<T>& buffer) {
+  w.for_each_tensor([&](const char* name, std::int64_t layer, auto& buffer) {
     gg::load_tensor(*g.find_tensor(gg::tensor_name(name, layer)), buffer);
   });
   return w;
+}
+
+/// The ggml type that holds most of the weights of the layers' matrices (blk.N.*, 2-D tensors):
+/// the format a model "as stored" runs in. kF32 for a file without such tensors.
+inline GgmlType gguf_matrix_type(const GgufFile& g) {
+  std::array<std::uint64_t, 5> weights{};  // per type, in the order of kTypes
+  constexpr std::array<GgmlType, 5> kTypes = {GgmlType::kF32, GgmlType::kF16, GgmlType::kBf16,
+                                              GgmlType::kQ8_0, GgmlType::kQ4_0};
+  for (const GgufTensorInfo& t : g.tensors()) {
+    if (t.n_dims != 2 || !t.name.starts_with("blk.")) continue;
+    for (std::size_t k = 0; k < kTypes.size(); ++k)
+      if (t.type == kTypes[k]) weights[k] += t.elements;
+  }
+  const auto most = std::max_element(weights.begin(), weights.end()) - weights.begin();
+  return weights[static_cast<std::size_t>(most)] == 0 ? GgmlType::kF32
+                                                      : kTypes[static_cast<std::size_t>(most)];
 }
 
 }  // namespace kvdecode

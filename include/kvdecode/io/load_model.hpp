@@ -17,6 +17,7 @@
 #include "kvdecode/io/gguf_model.hpp"
 #include "kvdecode/io/gguf_tokenizer.hpp"
 #include "kvdecode/model/weights.hpp"
+#include "kvdecode/weight_blocks.hpp"
 
 namespace kvdecode {
 
@@ -41,9 +42,43 @@ inline ModelFormat detect_model_format(const std::filesystem::path& file) {
   return ModelFormat::kLlama2cCheckpoint;
 }
 
+/// The weight formats a model runs on (Model<float, W>: W = float, bf16, Q8_0, Q4_0).
+enum class WeightFormat { kF32, kBf16, kQ8_0, kQ4_0 };
+
+/// How a model file stores its weights.
+struct StoredWeights {
+  /// The format a model runs the file in without changing a value: GGUF q8_0 / q4_0 / bf16 as
+  /// they are; f32 for GGUF f32 or f16 (f16 widens exactly) and a llama2.c checkpoint; f32 too
+  /// for a block format whose rows a model cannot hold in blocks (dim or hidden_dim not a
+  /// multiple of 32, those rows then stored in another type), as blocks dequantize exactly.
+  WeightFormat format = WeightFormat::kF32;
+  /// The ggml type of most layer-matrix weights (gguf_matrix_type()), "f32" for a checkpoint.
+  std::string matrix_type = "f32";
+};
+
+/// How `file` stores its weights (a GGUF file's header and tensor infos are read, no data).
+/// Throws Error as gguf_model_config() does for a GGUF file that cannot be read.
+inline StoredWeights stored_weights(const std::filesystem::path& file,
+                                    const GgufLimits& gguf_limits = {}) {
+  StoredWeights out;
+  if (detect_model_format(file) != ModelFormat::kGguf) return out;
+  const GgufFile g = GgufFile::open(file, gguf_limits);
+  const GgmlType type = gguf_matrix_type(g);
+  out.matrix_type = detail::gguf::ggml_type_name(static_cast<std::uint32_t>(type));
+  const ModelConfig cfg = gguf_model_config(g);
+  const auto block = static_cast<std::int64_t>(kWeightBlock);
+  const bool whole_blocks = cfg.dim % block == 0 && cfg.hidden_dim % block == 0;
+  if (type == GgmlType::kQ8_0 && whole_blocks) out.format = WeightFormat::kQ8_0;
+  if (type == GgmlType::kQ4_0 && whole_blocks) out.format = WeightFormat::kQ4_0;
+  if (type == GgmlType::kBf16) out.format = WeightFormat::kBf16;
+  return out;
+}
+
 /// Loads a GGUF file (io/gguf_model.hpp, with its vocabulary when tokenizer.ggml.model is
 /// present) or a llama2.c v0 checkpoint (io/checkpoint.hpp), into weights of type T, each under
-/// its format's limits.
+/// its format's limits. T may be a block format (Q8_0, Q4_0): a GGUF file's matrices stored in
+/// that type keep their blocks as stored, any other tensor (and a checkpoint's f32 weights) is
+/// quantized on load; load_gguf_weights() names a tensor that cannot be converted.
 template <class T = float>
 LoadedModel<T> load_model(const std::filesystem::path& file, const GgufLimits& gguf_limits = {},
                           const CheckpointLimits& checkpoint_limits = {}) {
@@ -57,6 +92,8 @@ LoadedModel<T> load_model(const std::filesystem::path& file, const GgufLimits& g
   }
   if constexpr (std::is_same_v<T, float>) {
     out.weights = load_checkpoint(file, checkpoint_limits);
+  } else if constexpr (kIsBlockFormat<T>) {
+    out.weights = quantize_weights<T>(load_checkpoint(file, checkpoint_limits));
   } else {
     out.weights = convert_weights<T>(load_checkpoint(file, checkpoint_limits));
   }

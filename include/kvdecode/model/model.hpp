@@ -418,7 +418,7 @@ class Model {
                            std::size_t in, Activations<T>& act) {
     detail::linear_group<T, W>(ps, x, n, in, act.pool,
                                {act.panels.data(), act.panel_stride, act.x_rounded.data(),
-                                act.x_codes.data(), act.x_scales.data()});
+                                act.x_codes.data(), act.x_scales.data(), act.x_offsets.data()});
   }
 
   /// out [count] = in widened to T; for a block format in holds count / 32 blocks.

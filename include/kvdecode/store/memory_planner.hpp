@@ -10,6 +10,7 @@
 #include "kvdecode/error.hpp"
 #include "kvdecode/model/model_config.hpp"
 #include "kvdecode/store/kv_store.hpp"
+#include "kvdecode/weight_blocks.hpp"
 
 namespace kvdecode {
 
@@ -97,7 +98,8 @@ class MemoryPlanner {
 };
 
 /// Bytes of the parameters a Weights<W> of cfg holds (= Weights<W>::bytes()), to compare the
-/// cache with: at long context the KV cache outgrows the weights.
+/// cache with: at long context the KV cache outgrows the weights. With a block format (Q8_0,
+/// Q4_0) a matrix is weights / 32 blocks of sizeof(W) bytes and the gains stay f32.
 template <class W>
 constexpr std::uint64_t weight_bytes(const ModelConfig& cfg) {
   const auto dim = static_cast<std::uint64_t>(cfg.dim);
@@ -106,10 +108,13 @@ constexpr std::uint64_t weight_bytes(const ModelConfig& cfg) {
   const auto vocab = static_cast<std::uint64_t>(cfg.vocab_size);
   const std::uint64_t kv_dim =
       static_cast<std::uint64_t>(cfg.n_kv_heads) * (dim / static_cast<std::uint64_t>(cfg.n_heads));
-  // Per layer: two gains, wq and wo [dim][dim], wk and wv [kv_dim][dim], w1 w2 w3 (hidden × dim).
-  const std::uint64_t per_layer = 2 * dim + 2 * dim * dim + 2 * kv_dim * dim + 3 * hidden * dim;
+  // Per layer: wq and wo [dim][dim], wk and wv [kv_dim][dim], w1 w2 w3 (hidden × dim); two gains.
   const std::uint64_t classifier = cfg.shared_classifier ? 0 : vocab * dim;
-  return (vocab * dim + layers * per_layer + dim + classifier) * sizeof(W);
+  const std::uint64_t matrices =
+      vocab * dim + layers * (2 * dim * dim + 2 * kv_dim * dim + 3 * hidden * dim) + classifier;
+  const std::uint64_t gains = (2 * layers + 1) * dim;
+  if constexpr (kIsBlockFormat<W>) return matrices / kWeightBlock * sizeof(W) + gains * 4;
+  return (matrices + gains) * sizeof(W);
 }
 
 }  // namespace kvdecode
