@@ -380,6 +380,14 @@ TEST(BpeTokenizerTest, RefusesBadVocabularies) {
          ty.push_back(1);
        },
        "token 257 '中': the character at byte 0 is not one of GPT-2's 256 byte characters"},
+      {"control byte token", [](auto&, auto& ty, auto&) { ty['b'] = 3; },
+       "token 98 'b' for byte 98 is a control token"},
+      {"control merge result",
+       [](auto& t, auto& ty, auto&) {
+         ty.back() = 3;  // "ab"
+         (void)t;
+       },
+       "tokenizer.ggml.merges[0] 'a b': 'ab' is control token 256"},
       {"user-defined token", [](auto&, auto& ty, auto&) { ty['$'] = 4; },
        "token 36 '$' has type 4"},
       {"token type out of range", [](auto&, auto& ty, auto&) { ty[5] = 9; },

@@ -179,8 +179,8 @@ enum class BpeTokenType : std::int32_t {
 /// works on raw bytes: a word starts as one token per byte and the adjacent pair of lowest merge
 /// rank (leftmost on ties) merges until none does, with a heap of candidate pairs (stale ones are
 /// skipped when popped), O(n log n) per word. The construction checks what makes this equal to
-/// llama.cpp's text-based merging: every byte has a token, and every merge's left part, right
-/// part and result are tokens.
+/// llama.cpp's text-based merging and decode(encode(text)) == text: every byte has a token, and
+/// every merge's left part, right part and result are tokens, none of them a control token.
 ///
 /// Where llama.cpp leaves behaviour open, this class decides:
 /// * Special tokens are never parsed from the text (llama.cpp's parse_special = false); control
@@ -255,6 +255,8 @@ class BpeTokenizer {
       const auto it = ids.find(ch);
       KVDECODE_CHECK(it != ids.end(), ctx, ": tokenizer.ggml.tokens has no token '", ch,
                      "' for byte ", b, " (byte-level BPE needs one per byte)");
+      KVDECODE_CHECK(!is_control(token_types, it->second), ctx, ": token ", it->second, " '", ch,
+                     "' for byte ", b, " is a control token");
       byte_tokens_[static_cast<std::size_t>(b)] = it->second;
     }
 
@@ -277,6 +279,9 @@ class BpeTokenizer {
         const auto it = ids.find(names[k]);
         KVDECODE_CHECK(it != ids.end(), ctx, ": tokenizer.ggml.merges[", rank, "] '", m, "': '",
                        names[k], "' is not a token");
+        // A control token decodes to "", so text merged into one would not come back.
+        KVDECODE_CHECK(!is_control(token_types, it->second), ctx, ": tokenizer.ggml.merges[", rank,
+                       "] '", m, "': '", names[k], "' is control token ", it->second);
         part[k] = it->second;
       }
       merges_.try_emplace(pair_key(part[0], part[1]),
@@ -393,6 +398,11 @@ class BpeTokenizer {
     std::vector<std::int32_t> prev;    // [word bytes]: previous live symbol or -1
     std::priority_queue<Candidate, std::vector<Candidate>, std::greater<>> heap;
   };
+
+  static bool is_control(std::span<const std::int32_t> types, std::int32_t id) {
+    return !types.empty() &&
+           types[static_cast<std::size_t>(id)] == static_cast<std::int32_t>(BpeTokenType::kControl);
+  }
 
   static std::uint64_t pair_key(std::int32_t left, std::int32_t right) {
     return (static_cast<std::uint64_t>(static_cast<std::uint32_t>(left)) << 32) |
