@@ -182,7 +182,7 @@ enum class BpeTokenType : std::int32_t {
 /// llama.cpp's text-based merging and decode(encode(text)) == text: every byte has a token, and
 /// every merge's left part, right part and result are tokens, none of them a control token.
 ///
-/// Where llama.cpp leaves behaviour open, this class decides:
+/// Where this class departs from llama.cpp, or decides what llama.cpp leaves open:
 /// * Special tokens are never parsed from the text (llama.cpp's parse_special = false); control
 ///   tokens decode to "" and user-defined or byte-typed tokens are refused, since llama.cpp
 ///   matches user-defined tokens in the text before BPE and this class does not.
@@ -193,6 +193,10 @@ enum class BpeTokenType : std::int32_t {
 ///   keeps its first (lowest) rank.
 class BpeTokenizer {
  public:
+  /// The longest text encode() accepts.
+  static constexpr std::size_t kMaxEncodeBytes =
+      static_cast<std::size_t>(std::numeric_limits<std::int32_t>::max());
+
   /// Builds the vocabulary. `token_types` is empty (all normal) or one per token; bos_id and
   /// eos_id are -1 when the vocabulary has none. `context` prefixes every error message.
   /// Throws Error naming the key (tokenizer.ggml.tokens, token_type, merges) and the index.
@@ -309,6 +313,9 @@ class BpeTokenizer {
 
   /// As encode() above, replacing the contents of `out`. On a throw, `out` is unchanged.
   void encode(std::string_view text, bool bos, bool eos, std::vector<std::int32_t>& out) const {
+    // merge_word() indexes a word's bytes by int32.
+    KVDECODE_CHECK(text.size() <= kMaxEncodeBytes, "BpeTokenizer::encode: text of ", text.size(),
+                   " bytes, more than the ", kMaxEncodeBytes, " bytes int32 symbol indices allow");
     KVDECODE_CHECK(!bos || bos_id_ >= 0,
                    "BpeTokenizer::encode: BOS asked for, but the vocabulary "
                    "has no tokenizer.ggml.bos_token_id");
