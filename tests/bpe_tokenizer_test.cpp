@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -25,6 +26,8 @@
 #include "kvdecode/io/gguf.hpp"
 #include "kvdecode/io/gguf_tokenizer.hpp"
 #include "kvdecode/text/text_stream.hpp"
+#include "kvdecode/text/text_tokenizer.hpp"
+#include "kvdecode/text/tokenizer.hpp"
 
 namespace kvdecode {
 namespace {
@@ -328,6 +331,35 @@ TEST(BpeTokenizerTest, StreamedDecodeHoldsPartialCharacters) {
   for (const std::int32_t id : ids) shown.emplace_back(stream.push(t.decode(-1, id)));
   EXPECT_EQ(shown, (std::vector<std::string>{"a", "", "", "🦙", "b"}));
   EXPECT_EQ(stream.flush(), "");
+}
+
+// Generic code written against TextTokenizer: encode, then stream the decoded pieces.
+template <TextTokenizer T>
+std::string streamed(const T& t, std::string_view text) {
+  std::string shown;
+  TextStream stream;
+  std::int32_t prev = -1;
+  for (const std::int32_t id : t.encode(text, false, false)) {
+    shown += stream.push(t.decode(prev, id));
+    prev = id;
+  }
+  return shown + std::string(stream.flush());
+}
+
+TEST(BpeTokenizerTest, GenericCodeRunsEitherTokenizer) {
+  SmallVocab v;
+  v.merge("a", "b");
+  EXPECT_EQ(streamed(v.build(), "ab é🦙"), "ab é🦙");
+  // SentencePiece (run.c's rules): the dummy prefix " " comes back as a leading space.
+  std::vector<std::string> pieces = {"<unk>", "\n<s>\n", "\n</s>\n"};
+  for (int b = 0; b < 256; ++b) {
+    char hex[8];
+    std::snprintf(hex, sizeof hex, "<0x%02X>", b);
+    pieces.emplace_back(hex);
+  }
+  for (const char* p : {" ", "a", "b", "ab"}) pieces.emplace_back(p);
+  const Tokenizer sp(pieces, std::vector<float>(pieces.size(), 0.0f), 6);
+  EXPECT_EQ(streamed(sp, "ab é🦙"), " ab é🦙");
 }
 
 TEST(BpeTokenizerTest, BosEosControlTokensAndFind) {
