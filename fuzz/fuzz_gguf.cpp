@@ -1,10 +1,12 @@
 // libFuzzer target: arbitrary bytes as a GGUF file. GgufFile::open, gguf_model_config,
-// load_gguf_weights (f32 and q8_0 blocks) and gguf_vocabulary must either throw kvdecode::Error or
-// return results whose every tensor view lies inside the file and whose weights have the config's
-// sizes; they must never crash, read out of bounds or allocate past GgufLimits (weights are bounded
-// by the file: every tensor they are decoded from lies inside it).
+// load_gguf_weights (f32 and q8_0 blocks) and gguf_vocabulary (gguf_bpe_vocabulary for a "gpt2"
+// one) must either throw kvdecode::Error or return results whose every tensor view lies inside
+// the file and whose weights have the config's sizes; they must never crash, read out of bounds
+// or allocate past GgufLimits (weights are bounded by the file: every tensor they are decoded
+// from lies inside it).
 #include <cstddef>
 #include <cstdint>
+#include <string_view>
 
 #include "fuzz_util.hpp"
 #include "kvdecode/io/gguf.hpp"
@@ -44,6 +46,16 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
                       static_cast<std::size_t>(w.config.vocab_size * w.config.dim),
                   "embedding blocks");
     } catch (const kvdecode::Error&) {
+    }
+    if (g.find("tokenizer.ggml.model") && g.get_string("tokenizer.ggml.model") == "gpt2") {
+      const kvdecode::GgufBpeVocabulary b = kvdecode::gguf_bpe_vocabulary(g);
+      kf::require(b.tokenizer.vocab_size() ==
+                      static_cast<std::int64_t>(g.get("tokenizer.ggml.tokens").count),
+                  "one BPE token per token");
+      const std::string_view text = "ab a\xFF  'll 12";
+      kf::require(b.tokenizer.decode_all(b.tokenizer.encode(text)) == text,
+                  "byte-level BPE gives the bytes back");
+      return 0;
     }
     const kvdecode::GgufVocabulary v = kvdecode::gguf_vocabulary(g);
     kf::require(

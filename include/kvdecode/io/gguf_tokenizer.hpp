@@ -1,6 +1,7 @@
-// The vocabulary of a GGUF file (tokenizer.ggml.* metadata) as a Tokenizer: the "llama" model
-// (SentencePiece: pieces, scores, byte fallback <0xXX>) whose layout is llama2.c's, so run.c's
-// encode applies unchanged. docs/FORMATS.md §5.
+// The vocabulary of a GGUF file (tokenizer.ggml.* metadata): the "llama" model (SentencePiece:
+// pieces, scores, byte fallback <0xXX>) with llama2.c's layout as a Tokenizer, so run.c's encode
+// applies unchanged; the "gpt2" model (byte-level BPE with GPT-2's pre-tokenizer) as a
+// BpeTokenizer. docs/FORMATS.md §5.
 #pragma once
 
 #include <algorithm>
@@ -13,6 +14,7 @@
 
 #include "kvdecode/error.hpp"
 #include "kvdecode/io/gguf.hpp"
+#include "kvdecode/text/bpe_tokenizer.hpp"
 #include "kvdecode/text/tokenizer.hpp"
 
 namespace kvdecode {
@@ -56,8 +58,12 @@ inline GgufVocabulary gguf_vocabulary(const GgufFile& g) {
   namespace gg = detail::gguf;
   const std::string ctx = g.context();
   const std::string_view model = g.get_string("tokenizer.ggml.model");
+  KVDECODE_CHECK(model != "gpt2", ctx,
+                 ": tokenizer.ggml.model is 'gpt2' (byte-level BPE); read it with "
+                 "gguf_bpe_vocabulary()");
   KVDECODE_CHECK(model == "llama", ctx, ": tokenizer.ggml.model is '", model,
-                 "'; only 'llama' (SentencePiece with byte fallback) is supported");
+                 "'; only 'llama' (SentencePiece with byte fallback) and 'gpt2' (byte-level BPE) "
+                 "are supported");
   const GgufValue& tokens = g.get("tokenizer.ggml.tokens");
   KVDECODE_CHECK(
       tokens.type == GgufValueType::kArray && tokens.element_type == GgufValueType::kString, ctx,
@@ -125,6 +131,92 @@ inline GgufVocabulary gguf_vocabulary(const GgufFile& g) {
     if (m.starts_with("kvdecode: ")) m.remove_prefix(10);
     KVDECODE_FAIL(ctx, ": tokenizer.ggml.tokens: ", m);
   }
+}
+
+/// A GGUF file's byte-level BPE vocabulary and the special-token settings stored with it.
+struct GgufBpeVocabulary {
+  BpeTokenizer tokenizer;
+  bool add_bos = false;  ///< tokenizer.ggml.add_bos_token (llama.cpp's default for "gpt2": false)
+  bool add_eos = false;  ///< tokenizer.ggml.add_eos_token
+};
+
+namespace detail::gguf {
+
+/// tokenizer.ggml.pre values for which llama.cpp runs GPT-2's regex and nothing else (no added
+/// separator, no ignored merges, no BOS by default).
+inline constexpr std::string_view kGpt2PreTokenizers[] = {
+    "gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es", "jina-v2-de", "a.x-4.0"};
+
+}  // namespace detail::gguf
+
+/// Builds the BpeTokenizer of a GGUF file whose tokenizer.ggml.model is "gpt2" and whose
+/// tokenizer.ggml.pre names GPT-2's pre-tokenizer (kGpt2PreTokenizers). Other pre-tokenizers
+/// (llama-bpe, qwen2, starcoder, deepseek-*, falcon, ...) split text differently and are refused
+/// by name, as is a missing one (llama.cpp then uses its "default" regexes). Throws Error naming
+/// the file, the key and the index: missing or mistyped tokens/merges, a token_type array of
+/// another length, a merge naming an unknown token, a token outside GPT-2's byte characters,
+/// BOS/EOS ids outside the vocabulary. Arrays and strings are bounded by the GgufLimits the file
+/// was opened with before anything is allocated for them.
+inline GgufBpeVocabulary gguf_bpe_vocabulary(const GgufFile& g) {
+  namespace gg = detail::gguf;
+  const std::string ctx = g.context();
+  const std::string_view model = g.get_string("tokenizer.ggml.model");
+  KVDECODE_CHECK(model == "gpt2", ctx, ": tokenizer.ggml.model is '", model,
+                 "', expected 'gpt2' (byte-level BPE)");
+  KVDECODE_CHECK(g.find("tokenizer.ggml.pre") != nullptr, ctx,
+                 ": tokenizer.ggml.pre is missing (llama.cpp then uses its 'default' BPE "
+                 "pre-tokenizer, which kvdecode does not implement); expected 'gpt-2'");
+  const std::string_view pre = g.get_string("tokenizer.ggml.pre");
+  KVDECODE_CHECK(std::find(std::begin(gg::kGpt2PreTokenizers), std::end(gg::kGpt2PreTokenizers),
+                           pre) != std::end(gg::kGpt2PreTokenizers),
+                 ctx, ": tokenizer.ggml.pre is '", pre,
+                 "'; only GPT-2's pre-tokenizer ('gpt-2' and the names llama.cpp runs with it) "
+                 "is implemented");
+  const auto string_array = [&](const char* key) -> const GgufValue& {
+    const GgufValue& v = g.get(key);
+    KVDECODE_CHECK(v.type == GgufValueType::kArray && v.element_type == GgufValueType::kString, ctx,
+                   ": ", key, " (at byte ", v.offset, ") has type ", GgufFile::type_label(v),
+                   ", expected array of string");
+    return v;
+  };
+  const GgufValue& tokens = string_array("tokenizer.ggml.tokens");
+  const GgufValue& merges = string_array("tokenizer.ggml.merges");
+  std::vector<std::int32_t> types;
+  if (const GgufValue* t = g.find("tokenizer.ggml.token_type")) {
+    GgufValue element;
+    element.type = t->element_type;
+    KVDECODE_CHECK(t->type == GgufValueType::kArray && element.is_integer(), ctx,
+                   ": tokenizer.ggml.token_type (at byte ", t->offset, ") has type ",
+                   GgufFile::type_label(*t), ", expected an integer array");
+    KVDECODE_CHECK(t->count == tokens.count, ctx, ": tokenizer.ggml.token_type holds ", t->count,
+                   " values, but tokenizer.ggml.tokens holds ", tokens.count);
+    types.reserve(static_cast<std::size_t>(t->count));
+    for (std::uint64_t k = 0; k < t->count; ++k) {
+      const double v = t->number_at(k);
+      KVDECODE_CHECK(v >= 1 && v <= 6, ctx, ": tokenizer.ggml.token_type[", k, "] is ", v,
+                     ", expected 1..6");
+      types.push_back(static_cast<std::int32_t>(v));
+    }
+  }
+  const auto special = [&](const char* key) -> std::int32_t {
+    if (!g.find(key)) return -1;
+    return static_cast<std::int32_t>(
+        g.get_int(key, 0, static_cast<std::int64_t>(tokens.count) - 1));
+  };
+  const std::int32_t bos_id = special("tokenizer.ggml.bos_token_id");
+  const std::int32_t eos_id = special("tokenizer.ggml.eos_token_id");
+  const bool add_bos =
+      g.find("tokenizer.ggml.add_bos_token") ? g.get_bool("tokenizer.ggml.add_bos_token") : false;
+  const bool add_eos =
+      g.find("tokenizer.ggml.add_eos_token") ? g.get_bool("tokenizer.ggml.add_eos_token") : false;
+  KVDECODE_CHECK(
+      !add_bos || bos_id >= 0, ctx,
+      ": tokenizer.ggml.add_bos_token is true but tokenizer.ggml.bos_token_id is missing");
+  KVDECODE_CHECK(
+      !add_eos || eos_id >= 0, ctx,
+      ": tokenizer.ggml.add_eos_token is true but tokenizer.ggml.eos_token_id is missing");
+  return {BpeTokenizer(tokens.strings, types, merges.strings, bos_id, eos_id, ctx), add_bos,
+          add_eos};
 }
 
 }  // namespace kvdecode
