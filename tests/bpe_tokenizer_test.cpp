@@ -1,6 +1,6 @@
 // BpeTokenizer (GPT-2's byte-level BPE) and gguf_bpe_vocabulary().
-// Fixtures: llama.cpp's ggml-vocab-gpt-2.gguf with its tokenizer test cases (.inp/.out), looked
-// for in KVDECODE_GPT2_VOCAB_DIR (see tests/CMakeLists.txt); small vocabularies built here, whose
+// Fixtures: llama.cpp's ggml-vocab-gpt-2.gguf with its tokenizer test cases (.inp/.out), in
+// tests/data/gpt2-vocab (README there); small vocabularies built here, whose
 // encodings are checked against a naive rescanning BPE and a pre-tokenizer written for their
 // alphabet; GGUF files written here and damaged one field at a time.
 #include "kvdecode/text/bpe_tokenizer.hpp"
@@ -619,11 +619,11 @@ TEST(GgufBpeVocabularyTest, ReadsAWrittenFileAndRefusesDamage) {
 // llama.cpp's gpt-2 vocabulary and its tokenizer test cases (tests/test-tokenizer-0: texts
 // separated by "\n__ggml_vocab_test__\n", one line of ids per text, add_special false).
 
-fs::path gpt2_dir() { return fs::path(KVDECODE_GPT2_VOCAB_DIR); }
+fs::path gpt2_dir() { return fs::path(KVDECODE_TEST_DATA_DIR) / "gpt2-vocab"; }
 
 TEST(GgufBpeVocabularyTest, Gpt2VocabularyEncodesAsLlamaCpp) {
   const fs::path file = gpt2_dir() / "ggml-vocab-gpt-2.gguf";
-  if (!fs::exists(file)) GTEST_SKIP() << "fixture not present: " << file;
+  ASSERT_TRUE(fs::exists(file)) << "fixture missing: " << file;
   const GgufFile g = GgufFile::open(file);
   const GgufBpeVocabulary v = gguf_bpe_vocabulary(g);
   EXPECT_EQ(v.tokenizer.vocab_size(), 50257);
@@ -663,7 +663,7 @@ TEST(GgufBpeVocabularyTest, Gpt2VocabularyEncodesAsLlamaCpp) {
 
 TEST(GgufBpeVocabularyTest, Gpt2VocabularyRoundTripsRandomBytes) {
   const fs::path file = gpt2_dir() / "ggml-vocab-gpt-2.gguf";
-  if (!fs::exists(file)) GTEST_SKIP() << "fixture not present: " << file;
+  ASSERT_TRUE(fs::exists(file)) << "fixture missing: " << file;
   const GgufBpeVocabulary v = gguf_bpe_vocabulary(GgufFile::open(file));
   std::mt19937 rng(3);
   for (int k = 0; k < 300; ++k) {
