@@ -1,7 +1,8 @@
 // A decode step performs no heap allocation, in every build type: every allocation in this
 // binary is counted (operator new and the malloc family, which Eigen's allocator uses), and
-// Eigen's own allocator is forbidden while decoding (every test is built with
-// EIGEN_RUNTIME_NO_MALLOC, tests/CMakeLists.txt; an assert in builds without NDEBUG).
+// Eigen's own allocator is forbidden while decoding (EIGEN_RUNTIME_NO_MALLOC, an assert in
+// builds without NDEBUG).
+#define EIGEN_RUNTIME_NO_MALLOC
 #include <gtest/gtest.h>
 
 #include <Eigen/Core>

@@ -2,6 +2,7 @@
 // (the f32 / f64 bound) and to single-sequence decode; B = 1 equal to decode() bit for bit; a
 // batch that throws (a full store, an exhausted pool, a bad token, a repeated store) leaves every
 // store as it was; exact work counters; no allocation in a batched decode step.
+#define EIGEN_RUNTIME_NO_MALLOC
 #include <gtest/gtest.h>
 
 #include <cstdint>

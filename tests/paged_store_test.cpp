@@ -2,6 +2,7 @@
 // the contiguous store (bit-identical when a block is one attention tile, else the f32 bound),
 // fork / copy-on-write, truncate, exhaustion, the prefix cache (hits, collisions, LRU eviction),
 // multi-turn continuation, and a decode step that allocates nothing.
+#define EIGEN_RUNTIME_NO_MALLOC
 #include "kvdecode/store/paged_store.hpp"
 
 #include <gtest/gtest.h>
