@@ -629,9 +629,14 @@ int run(const Options& o) {
   sigemptyset(&stop_signals);
   sigaddset(&stop_signals, SIGINT);
   sigaddset(&stop_signals, SIGTERM);
+  // A signal that comes before listen_after_bind() has started would find stop() a no-op and the
+  // server would listen on: the waiter stops it once it runs (or once listening has ended).
+  std::atomic<bool> listen_ended{false};
   std::jthread signals([&] {
     int sig = 0;
     sigwait(&stop_signals, &sig);
+    while (!http.is_running() && !listen_ended)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
     http.stop();
   });
   std::jthread engine_loop([&](std::stop_token st) { s.engine->run(st); });
@@ -644,6 +649,7 @@ int run(const Options& o) {
               o.no_prefix_cache ? "off" : "on", tier.c_str());
   std::fflush(stdout);
   http.listen_after_bind();
+  listen_ended = true;
   pthread_kill(signals.native_handle(), SIGTERM);  // listen ended another way: end the waiter
   // A clean shutdown: no connection is served any more; the step loop stops, then every block
   // still cached in memory goes to the prefix directory for the next start.

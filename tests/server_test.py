@@ -272,6 +272,25 @@ class ServerTest(unittest.TestCase):
         self.assertEqual(out.stdout, "400")
 
 
+class EarlySignalTest(unittest.TestCase):
+    def test_sigterm_before_the_server_listens_still_stops_it(self):
+        # A signal taken before listening began used to be lost (stop() of a server not yet
+        # running does nothing) and the server listened on.
+        for delay in (0.02, 0.05, 0.1):
+            proc = subprocess.Popen([BINARY, "--port", "0"], stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL)
+            time.sleep(delay)
+            proc.terminate()
+            try:
+                code = proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                code = "still running 10 s after SIGTERM"
+            # -15: the signal came before main() blocked it (the default action).
+            self.assertIn(code, (0, -15), "SIGTERM after %.2f s" % delay)
+
+
 def block_file_bytes():
     """Bytes of one block file of the bundled model at BLOCK positions (docs/FORMATS.md §4): a
     192-byte header, BLOCK int32 tokens, keys and values [n_layers][n_kv_heads][BLOCK][head_size]
