@@ -11,14 +11,22 @@ puts every token already sampled into one event, so under load an event may hold
 throughput is generated tokens / wall time of the whole run. The engine's own TTFT (submission
 -> first token) and inter-token latency (per token) come from /metrics. Prints Markdown tables.
 
+With --prefix-restart, instead: the time to first token of one request (system prompt + a
+question) on a server with an empty --prefix-dir (cold), on a server restarted on that directory
+(the system prompt's blocks loaded from disk) and again on that server (from memory). Each
+server first answers an unrelated warm-up request.
+
 usage: tools/load_bench.py build/release/examples/server [--clients 16] [--requests 2] [--repeat 5]
+       tools/load_bench.py build/release/examples/server --prefix-restart [--repeat 5]
 """
 import argparse
 import http.client
 import json
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -172,6 +180,52 @@ def run(binary, name, args, opts, system):
     }
 
 
+def restart_bench(opts, common, system, n_system):
+    """Cold, from disk after a restart, and from memory: TTFT of one request each, per run."""
+
+    def measure(server, question):
+        t0 = time.perf_counter()
+        r = post(server.port, {"prompt": system + "\n" + QUESTIONS[question], "max_tokens": 1,
+                               "temperature": 0}, opts.timeout)
+        wall = (time.perf_counter() - t0) * 1e3
+        u = r["usage"]
+        return (u["prefilled_tokens"], u["prompt_tokens_details"]["cached_tokens"],
+                u["prompt_tokens_details"]["cached_from_disk_tokens"], u["ttft_ms"], wall)
+
+    def start(directory):
+        server = Server(opts.server, common + ["--prefix-dir", directory])
+        post(server.port, {"prompt": "Amen.", "max_tokens": 2}, opts.timeout)  # warm-up
+        return server
+
+    rows = []
+    for rep in range(opts.repeat):
+        directory = tempfile.mkdtemp(prefix="kvdecode_prefix_bench_")
+        try:
+            server = start(directory)
+            row = {"cold": measure(server, 0)}
+            server.stop()  # writes the cached blocks to the directory
+            server = start(directory)
+            row["disk"] = measure(server, 1)
+            row["memory"] = measure(server, 2)
+            server.stop()
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+        rows.append(row)
+        print("run %d: " % (rep + 1) + "; ".join(
+            "%s: prefilled %d, cached %d (%d from disk), engine TTFT %.2f ms, client %.2f ms" %
+            ((phase,) + row[phase]) for phase in ("cold", "disk", "memory")))
+    print("\n| %d-token system prompt + question | prefilled | from disk | engine TTFT ms, "
+          "median (min) | client ms, median (min) |" % n_system)
+    print("|---|---:|---:|---:|---:|")
+    for phase, name in (("cold", "empty --prefix-dir"), ("disk", "restarted, blocks on disk"),
+                        ("memory", "same server again, blocks in memory")):
+        ttft = [row[phase][3] for row in rows]
+        wall = [row[phase][4] for row in rows]
+        print("| %s | %d | %d | %.2f (%.2f) | %.2f (%.2f) |" % (
+            name, rows[0][phase][0], rows[0][phase][2], statistics.median(ttft), min(ttft),
+            statistics.median(wall), min(wall)))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("server")
@@ -182,6 +236,8 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=300, help="seconds per HTTP exchange")
     ap.add_argument("--repeat", type=int, default=1, help="runs of the three set-ups")
+    ap.add_argument("--prefix-restart", action="store_true",
+                    help="measure TTFT cold / after a restart on a --prefix-dir / in memory")
     opts = ap.parse_args()
     common = ["--threads", str(opts.threads), "--blocks", "2048", "--max-running",
               str(max(16, opts.clients)), "--step-tokens", "256",
@@ -191,6 +247,9 @@ def main():
         system, n_system = system_prompt(probe.port, opts.system_tokens, opts.timeout)
     finally:
         probe.stop()
+    if opts.prefix_restart:
+        restart_bench(opts, common, system, n_system)
+        return 0
     setups = [("batched, prefix cache", common),
               ("batched, no prefix cache", common + ["--no-prefix-cache"]),
               ("one at a time, prefix cache", common + ["--max-running", "1"])]
