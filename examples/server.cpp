@@ -10,6 +10,7 @@
 #undef _res
 
 #include <signal.h>
+#include <sys/socket.h>
 
 #include <algorithm>
 #include <atomic>
@@ -620,9 +621,20 @@ int run(const Options& o) {
       send_error(res, 413, "the body exceeds " + std::to_string(o.max_body_bytes) + " bytes");
   });
 
+  // httplib 0.11 listens with a backlog of 5: more clients connecting at once than its accept
+  // loop takes in time (a busy machine) overflow it, the kernel drops their SYNs and they resend
+  // after 1 s. The listening socket is listened on again with the system's largest backlog.
+  int listen_fd = -1;
+  http.set_socket_options([&listen_fd](socket_t sock) {
+    httplib::default_socket_options(sock);
+    listen_fd = sock;
+  });
   const int port = o.port == 0 ? http.bind_to_any_port(o.host) : o.port;
   if (port < 0 || (o.port != 0 && !http.bind_to_port(o.host, o.port)))
     throw kvdecode::Error("cannot listen on " + o.host + ":" + std::to_string(o.port));
+  if (listen_fd >= 0 && ::listen(listen_fd, SOMAXCONN) != 0)
+    throw kvdecode::Error("cannot listen on " + o.host + ":" + std::to_string(port) +
+                          " with a backlog of " + std::to_string(SOMAXCONN));
 
   // SIGINT / SIGTERM stop the server; a thread waits for them (no work in a signal handler).
   sigset_t stop_signals;

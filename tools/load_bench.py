@@ -22,6 +22,8 @@ usage: tools/load_bench.py build/release/examples/server [--clients 16] [--reque
 import argparse
 import http.client
 import json
+import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -123,6 +125,16 @@ def system_prompt(port, target, timeout):
     return text, post(port, {"prompt": text, "max_tokens": 1}, timeout)["usage"]["prompt_tokens"]
 
 
+def cpu_seconds(pid):
+    """User + system CPU seconds of process pid (all its threads, /proc), or of this one."""
+    if pid is None:
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime + r.ru_stime
+    with open("/proc/%d/stat" % pid) as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def pct(values, q):
     if not values:
         return float("nan")
@@ -154,12 +166,15 @@ def run(binary, name, args, opts, system):
                         errors.append(repr(e))
 
         threads = [threading.Thread(target=client, args=(c,)) for c in range(opts.clients)]
+        cpu0 = cpu_seconds(server.proc.pid), cpu_seconds(None)
         t0 = time.perf_counter()
         for t in threads:
             t.start()
         for t in threads:
             t.join()
         wall = time.perf_counter() - t0
+        server_cpu = cpu_seconds(server.proc.pid) - cpu0[0]
+        client_cpu = cpu_seconds(None) - cpu0[1]
         m = get(server.port, "/metrics", opts.timeout)
     finally:
         server.stop()
@@ -177,6 +192,7 @@ def run(binary, name, args, opts, system):
         "preemptions": m["preemptions"],
         "server_itl_p50": m["itl"]["p50_ms"], "server_itl_p99": m["itl"]["p99_ms"],
         "server_ttft_p50": m["ttft"]["p50_ms"],
+        "server_cpu": server_cpu, "client_cpu": client_cpu, "steps": m["steps"],
     }
 
 
@@ -286,6 +302,15 @@ def main():
           "best runs %.1fx" % (", ".join("%.1fx" % x for x in tok),
                                cached["tok_s"][0] / serial["tok_s"][0],
                                cached["tok_s"][1] / serial["tok_s"][1]))
+    # The machine's other load takes wall time, not our CPU time: tokens per server CPU-second
+    # and tokens per step (the effective batch) show what the engine itself did in each run.
+    cpu = [(rows[0]["tokens"] / rows[0]["server_cpu"]) / (rows[2]["tokens"] / rows[2]["server_cpu"])
+           for rows in runs]
+    print("generated tokens per server CPU-second batched / one at a time, per run: %s" %
+          ", ".join("%.1fx" % x for x in cpu))
+    print("batched (prefix cache) tokens per step, per run: %s; its wall share of one core: %s" % (
+        ", ".join("%.1f" % (rows[0]["tokens"] / rows[0]["steps"]) for rows in runs),
+        ", ".join("%.0f%%" % (100 * rows[0]["server_cpu"] / rows[0]["wall_s"]) for rows in runs)))
     return 1 if failed else 0
 
 
@@ -295,16 +320,17 @@ def report(rows, opts, n_system, rep):
                                                  opts.max_tokens, opts.threads))
     print("| set-up | requests | wall s | gen tok/s | TTFT p50 / p90 / p99 ms | "
           "event gap p50 / p90 / p99 ms | engine TTFT p50 ms | engine ITL p50 / p99 ms | "
-          "prompt tok (cached) | prefilled | preemptions |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "prompt tok (cached) | prefilled | preemptions | CPU s server / client | steps |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print("| %s | %d%s | %.2f | %.0f | %.1f / %.1f / %.1f | %.2f / %.2f / %.2f | %.1f | "
-              "%.2f / %.2f | %.0f (%.0f) | %d | %d |" % (
+              "%.2f / %.2f | %.0f (%.0f) | %d | %d | %.2f / %.2f | %d |" % (
                   r["name"], r["requests"],
                   " (%d failed)" % len(r["errors"]) if r["errors"] else "", r["wall_s"],
                   r["tok_s"], r["ttft_p50"], r["ttft_p90"], r["ttft_p99"], r["itl_p50"],
                   r["itl_p90"], r["itl_p99"], r["server_ttft_p50"], r["server_itl_p50"], r["server_itl_p99"],
-                  r["prompt_tokens"], r["cached"], r["prefilled"], r["preemptions"]))
+                  r["prompt_tokens"], r["cached"], r["prefilled"], r["preemptions"],
+                  r["server_cpu"], r["client_cpu"], r["steps"]))
     cached, uncached, serial = rows
     print("\nTTFT p50 without / with the prefix cache: %.1fx" %
           (uncached["ttft_p50"] / cached["ttft_p50"]))
