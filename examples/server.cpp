@@ -2,13 +2,15 @@
 // /v1/completions and /v1/chat/completions (a one-verse-per-turn chat template for the bundled
 // KJV model), streamed as server-sent events when "stream" is true; GET /health and /metrics.
 // Requests from every connection share one paged KV pool and its prefix cache, so a shared
-// system prompt or an earlier turn of a conversation is computed once. Listens on 127.0.0.1
-// unless told otherwise. `server --help` lists the flags.
+// system prompt or an earlier turn of a conversation is computed once; with --prefix-dir the
+// prefix cache is kept on disk too, so a restarted server reuses it. Listens on 127.0.0.1 unless
+// told otherwise. `server --help` lists the flags.
 #include <httplib.h>
 // <resolv.h>, which httplib.h includes, defines _res as a macro; Eigen names parameters _res.
 #undef _res
 
 #include <signal.h>
+#include <sys/socket.h>
 
 #include <algorithm>
 #include <atomic>
@@ -56,6 +58,9 @@ struct Options {
   std::size_t http_threads = 64;
   std::size_t max_body_bytes = 1 << 20;
   bool no_prefix_cache = false;
+  std::string prefix_dir;  // "" = the prefix cache is in memory only
+  std::uint64_t prefix_max_bytes = std::uint64_t{1} << 30;
+  bool prefix_max_bytes_given = false;
   bool verbose = false;
 };
 
@@ -100,6 +105,15 @@ void declare(CLI::App& app, Options& o) {
       ->check(number<std::size_t>(16, std::size_t{1} << 30))
       ->capture_default_str();
   app.add_flag("--no-prefix-cache", o.no_prefix_cache, "compute every prompt in full");
+  app.add_option("--prefix-dir", o.prefix_dir,
+                 "keep the prefix cache's blocks in files in DIR too (created if needed): blocks "
+                 "evicted from memory, and every cached block at shutdown; a restarted server "
+                 "loads a prompt's blocks from there");
+  app.add_option("--prefix-max-bytes", o.prefix_max_bytes,
+                 "the most bytes of block files kept in --prefix-dir (least recently used go "
+                 "first); at least one block file")
+      ->check(number<std::uint64_t>(1, std::uint64_t{1} << 50))
+      ->capture_default_str();
   app.add_flag("--verbose", o.verbose, "errors name the library header and line");
 }
 
@@ -249,7 +263,9 @@ json usage_json(const kvdecode::RequestUsage& u) {
   return {{"prompt_tokens", u.prompt_tokens},
           {"completion_tokens", u.generated_tokens},
           {"total_tokens", u.prompt_tokens + u.generated_tokens},
-          {"prompt_tokens_details", {{"cached_tokens", u.cached_tokens}}},
+          {"prompt_tokens_details",
+           {{"cached_tokens", u.cached_tokens},
+            {"cached_from_disk_tokens", u.cached_from_disk_tokens}}},
           {"prefilled_tokens", u.prefilled_tokens},
           {"recomputed_tokens", u.recomputed_tokens},
           {"preemptions", u.preemptions},
@@ -427,6 +443,26 @@ void serve_generation(Server& s, httplib::Response& res, std::vector<std::int32_
       [stream](bool) { stream->cancel(); });  // a no-op once the request has finished
 }
 
+/// The prefix tier's counters, or null without --prefix-dir.
+json tier_json(const kvdecode::EngineMetrics& m) {
+  if (!m.prefix_tier) return nullptr;
+  json skipped = json::object();
+  for (std::size_t r = 0; r < kvdecode::kTierSkipReasons; ++r) {
+    std::string name(kvdecode::kTierSkipNames[r]);
+    std::replace(name.begin(), name.end(), ' ', '_');  // "block size" → "block_size"
+    skipped[name] = m.tier.skipped[r];
+  }
+  return {{"disk_hits", m.tier.disk_hits},
+          {"disk_misses", m.tier.disk_misses},
+          {"files_written", m.tier.files_written},
+          {"files_evicted", m.tier.files_evicted},
+          {"write_failures", m.tier.write_failures},
+          {"files_skipped", m.tier.files_skipped()},
+          {"skipped", skipped},
+          {"files_on_disk", m.tier.files_on_disk},
+          {"bytes_on_disk", m.tier.bytes_on_disk}};
+}
+
 json metrics_json(Server& s) {
   const kvdecode::EngineMetrics m = s.engine->metrics();
   const auto lat = [](const kvdecode::LatencyHistogram& h) {
@@ -458,9 +494,12 @@ json metrics_json(Server& s) {
           {"tokens_generated", m.tokens_generated},
           {"prefix_hit_rate", m.prefix_hit_rate()},
           {"prefix_block_hits", m.prefix_block_hits},
+          {"prefix_block_disk_hits", m.prefix_block_disk_hits},
           {"prefix_block_misses", m.prefix_block_misses},
+          {"tokens_from_disk", m.tokens_from_disk},
           {"evictions", m.evictions},
           {"prefix_cache", !s.o.no_prefix_cache},
+          {"prefix_tier", tier_json(m)},
           {"ttft", lat(m.ttft)},
           {"itl", lat(m.itl)}};
 }
@@ -497,6 +536,17 @@ void answer(Server& s, httplib::Response& res, F&& f) {
 
 int run(const Options& o) {
   namespace fs = std::filesystem;
+  if (o.prefix_max_bytes_given && o.prefix_dir.empty())
+    throw cli::UsageError{"--prefix-max-bytes needs --prefix-dir"};
+  if (!o.prefix_dir.empty() && o.no_prefix_cache)
+    throw cli::UsageError{"--prefix-dir needs the prefix cache (drop --no-prefix-cache)"};
+  if (!o.prefix_dir.empty()) {
+    try {  // creates the directory and writes a probe file, as the engine will
+      kvdecode::PrefixTier<float> probe(kvdecode::ModelFingerprint{}, {.directory = o.prefix_dir});
+    } catch (const kvdecode::Error& e) {
+      throw cli::UsageError{"--prefix-dir: " + cli::for_a_person(e.what())};
+    }
+  }
   const fs::path model_path =
       o.model.empty() ? fs::path(KVDECODE_DEFAULT_MODEL_DIR) / "kjv_tiny.bin" : fs::path(o.model);
   kvdecode::Weights<float> weights = kvdecode::load_checkpoint(model_path);
@@ -510,13 +560,23 @@ int run(const Options& o) {
   if (o.step_tokens < o.max_running)
     throw cli::UsageError{"--step-tokens " + std::to_string(o.step_tokens) +
                           " must be at least --max-running " + std::to_string(o.max_running)};
+  const std::size_t block_file = kvdecode::PrefixTier<float>::file_bytes_for(
+      static_cast<std::size_t>(cfg.n_layers), static_cast<std::size_t>(cfg.n_kv_heads),
+      static_cast<std::size_t>(cfg.head_size()), o.block_size);
+  if (!o.prefix_dir.empty() && o.prefix_max_bytes < block_file)
+    throw cli::UsageError{"--prefix-max-bytes: " + std::to_string(o.prefix_max_bytes) +
+                          " is smaller than one block file of this model (" +
+                          std::to_string(block_file) + " bytes at --block-size " +
+                          std::to_string(o.block_size) + ")"};
   s.engine = std::make_unique<kvdecode::Engine<float>>(
       *s.model, kvdecode::EngineOptions{.n_blocks = o.blocks,
                                         .block_size = o.block_size,
                                         .max_running = o.max_running,
                                         .step_tokens = o.step_tokens,
                                         .prefix_cache = !o.no_prefix_cache,
-                                        .thread_pool = s.threads.get()});
+                                        .thread_pool = s.threads.get(),
+                                        .prefix_dir = o.prefix_dir,
+                                        .prefix_max_bytes = o.prefix_max_bytes});
   for (std::int32_t id = 0; id < cfg.vocab_size; ++id) {
     const std::string_view p = s.tokenizer.decode(0, id);
     if (p.find('\n') != std::string_view::npos) s.newline_ids.push_back(id);
@@ -561,27 +621,60 @@ int run(const Options& o) {
       send_error(res, 413, "the body exceeds " + std::to_string(o.max_body_bytes) + " bytes");
   });
 
+  // httplib 0.11 listens with a backlog of 5: more clients connecting at once than its accept
+  // loop takes in time (a busy machine) overflow it, the kernel drops their SYNs and they resend
+  // after 1 s. The listening socket is listened on again with the system's largest backlog.
+  int listen_fd = -1;
+  http.set_socket_options([&listen_fd](socket_t sock) {
+    httplib::default_socket_options(sock);
+    listen_fd = sock;
+  });
   const int port = o.port == 0 ? http.bind_to_any_port(o.host) : o.port;
   if (port < 0 || (o.port != 0 && !http.bind_to_port(o.host, o.port)))
     throw kvdecode::Error("cannot listen on " + o.host + ":" + std::to_string(o.port));
+  if (listen_fd >= 0 && ::listen(listen_fd, SOMAXCONN) != 0)
+    throw kvdecode::Error("cannot listen on " + o.host + ":" + std::to_string(port) +
+                          " with a backlog of " + std::to_string(SOMAXCONN));
 
   // SIGINT / SIGTERM stop the server; a thread waits for them (no work in a signal handler).
   sigset_t stop_signals;
   sigemptyset(&stop_signals);
   sigaddset(&stop_signals, SIGINT);
   sigaddset(&stop_signals, SIGTERM);
+  // A signal that comes before listen_after_bind() has started would find stop() a no-op and the
+  // server would listen on: the waiter stops it once it runs (or once listening has ended).
+  std::atomic<bool> listen_ended{false};
   std::jthread signals([&] {
     int sig = 0;
     sigwait(&stop_signals, &sig);
+    while (!http.is_running() && !listen_ended)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
     http.stop();
   });
   std::jthread engine_loop([&](std::stop_token st) { s.engine->run(st); });
-  std::printf("listening on http://%s:%d (model %s, %zu blocks of %zu, prefix cache %s)\n",
+  std::string tier;
+  if (!o.prefix_dir.empty())
+    tier = ", prefix dir " + o.prefix_dir + " with " +
+           std::to_string(s.engine->metrics().tier.files_on_disk) + " block files";
+  std::printf("listening on http://%s:%d (model %s, %zu blocks of %zu, prefix cache %s%s)\n",
               o.host.c_str(), port, s.model_name.c_str(), o.blocks, o.block_size,
-              o.no_prefix_cache ? "off" : "on");
+              o.no_prefix_cache ? "off" : "on", tier.c_str());
   std::fflush(stdout);
   http.listen_after_bind();
+  listen_ended = true;
   pthread_kill(signals.native_handle(), SIGTERM);  // listen ended another way: end the waiter
+  // A clean shutdown: no connection is served any more; the step loop stops, then every block
+  // still cached in memory goes to the prefix directory for the next start.
+  engine_loop.request_stop();
+  engine_loop.join();
+  if (!o.prefix_dir.empty()) {
+    s.engine->flush_prefix_tier();
+    const kvdecode::EngineMetrics m = s.engine->metrics();
+    std::printf("prefix dir %s: %llu block files written, %llu on disk\n", o.prefix_dir.c_str(),
+                static_cast<unsigned long long>(m.tier.files_written),
+                static_cast<unsigned long long>(m.tier.files_on_disk));
+    std::fflush(stdout);
+  }
   return 0;
 }
 
@@ -600,5 +693,8 @@ int main(int argc, char** argv) {
   CLI::App app{"", "server"};
   cli::configure(app, KVDECODE_VERSION);
   declare(app, o);
-  return cli::run_main(app, argc, argv, o.verbose, [&] { return run(o); });
+  return cli::run_main(app, argc, argv, o.verbose, [&] {
+    o.prefix_max_bytes_given = app.get_option("--prefix-max-bytes")->count() > 0;
+    return run(o);
+  });
 }

@@ -2,19 +2,26 @@
 """The HTTP server on the loopback, driven by a client written with the standard library only
 and by curl: health, completions (whole and streamed), a second chat turn that prefills only
 what is new, concurrent clients, a client that disconnects mid-stream (its blocks are freed),
-malformed requests. The server picks a free port (--port 0) and prints it; every wait is bounded.
+malformed requests; a server restarted on the same --prefix-dir that loads a prompt's blocks
+from disk (and skips a corrupt file); bad --prefix-* values. The server picks a free port
+(--port 0) and prints it; every wait is bounded.
 
 usage: server_test.py SERVER_BINARY
 """
 import http.client
 import json
+import os
+import shutil
 import socket
+import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import unittest
 
+BINARY = None
 SERVER = None
 BLOCK = 16
 MAX_BODY = 65536
@@ -22,29 +29,34 @@ TIMEOUT = 30  # seconds, for any one HTTP exchange
 
 
 class Server:
-    def __init__(self, binary):
+    def __init__(self, binary, extra=()):
         self.proc = subprocess.Popen(
             [binary, "--port", "0", "--blocks", "256", "--block-size", str(BLOCK),
-             "--max-body-bytes", str(MAX_BODY), "--threads", "1"],
+             "--max-body-bytes", str(MAX_BODY), "--threads", "1"] + list(extra),
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.first_line = None
         line = self.proc.stdout.readline()  # "listening on http://127.0.0.1:PORT (...)"
         if not line.startswith("listening on http://127.0.0.1:"):
             self.proc.kill()
             raise RuntimeError("server did not start: %r %r" % (line, self.proc.stderr.read()))
         self.port = int(line.split("127.0.0.1:")[1].split()[0])
+        self.first_line = line
 
     def stop(self):
+        """SIGTERM; the exit code (None if it had to be killed). self.rest: the rest of stdout."""
         self.proc.terminate()
         try:
-            return self.proc.wait(timeout=10)
+            self.rest = self.proc.communicate(timeout=10)[0]
+            return self.proc.returncode
         except subprocess.TimeoutExpired:
             self.proc.kill()
+            self.proc.communicate()
             return None
 
 
-def request(method, path, body=None, raw=None):
-    """(status, parsed JSON or text) of one exchange."""
-    conn = http.client.HTTPConnection("127.0.0.1", SERVER.port, timeout=TIMEOUT)
+def request(method, path, body=None, raw=None, server=None):
+    """(status, parsed JSON or text) of one exchange with `server` (default: SERVER)."""
+    conn = http.client.HTTPConnection("127.0.0.1", (server or SERVER).port, timeout=TIMEOUT)
     data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
     conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
     resp = conn.getresponse()
@@ -56,8 +68,8 @@ def request(method, path, body=None, raw=None):
         return resp.status, text
 
 
-def post(path, body):
-    return request("POST", path, body)
+def post(path, body, server=None):
+    return request("POST", path, body, server=server)
 
 
 def stream(path, body):
@@ -83,8 +95,8 @@ def stream(path, body):
     return events
 
 
-def metrics():
-    status, m = request("GET", "/metrics")
+def metrics(server=None):
+    status, m = request("GET", "/metrics", server=server)
     assert status == 200
     return m
 
@@ -260,8 +272,141 @@ class ServerTest(unittest.TestCase):
         self.assertEqual(out.stdout, "400")
 
 
+class EarlySignalTest(unittest.TestCase):
+    def test_sigterm_before_the_server_listens_still_stops_it(self):
+        # A signal taken before listening began used to be lost (stop() of a server not yet
+        # running does nothing) and the server listened on.
+        for delay in (0.02, 0.05, 0.1):
+            proc = subprocess.Popen([BINARY, "--port", "0"], stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL)
+            time.sleep(delay)
+            proc.terminate()
+            try:
+                code = proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                code = "still running 10 s after SIGTERM"
+            # -15: the signal came before main() blocked it (the default action).
+            self.assertIn(code, (0, -15), "SIGTERM after %.2f s" % delay)
+
+
+def block_file_bytes():
+    """Bytes of one block file of the bundled model at BLOCK positions (docs/FORMATS.md §4): a
+    192-byte header, BLOCK int32 tokens, keys and values [n_layers][n_kv_heads][BLOCK][head_size]
+    of f32. The shape is read from the checkpoint's header."""
+    model = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "models", "kjv_tiny.bin")
+    with open(model, "rb") as f:
+        dim, _, n_layers, n_heads, n_kv_heads, _, _ = struct.unpack("<7i", f.read(28))
+    return 192 + 4 * BLOCK + 2 * n_layers * n_kv_heads * BLOCK * (dim // n_heads) * 4
+
+
+class PrefixDirTest(unittest.TestCase):
+    """Servers of their own on a fresh --prefix-dir, stopped with SIGTERM between requests."""
+
+    PROMPT = ("And it came to pass after these things, that God did tempt Abraham, and said "
+              "unto him, Abraham: and he said, Behold, here I am.")
+
+    def setUp(self):
+        self.dir = tempfile.mkdtemp(prefix="kvdecode_server_prefix_")
+
+    def tearDown(self):
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def block_files(self):
+        return sorted(f for f in os.listdir(self.dir) if f.endswith(".kvblock"))
+
+    def serve_once(self, body):
+        """One request on a new server on self.dir, then SIGTERM: (response, metrics, rest of
+        stdout)."""
+        server = Server(BINARY, ["--prefix-dir", self.dir])
+        try:
+            status, answer = post("/v1/completions", body, server=server)
+            self.assertEqual(status, 200, answer)
+            m = metrics(server)
+        finally:
+            code = server.stop()
+        self.assertEqual(code, 0)
+        return answer, m, server.rest
+
+    def test_restarted_server_loads_the_prompt_from_disk(self):
+        body = {"prompt": self.PROMPT, "max_tokens": 8, "temperature": 0}
+        first, m1, tail = self.serve_once(body)
+        u1 = first["usage"]
+        p, g = u1["prompt_tokens"], u1["completion_tokens"]
+        self.assertGreaterEqual(p, 2 * BLOCK)
+        self.assertEqual(u1["prompt_tokens_details"]["cached_tokens"], 0)
+        self.assertEqual(m1["prefix_tier"]["files_on_disk"], 0)
+        # The clean shutdown wrote every full block the request fed: its prompt and all but its
+        # last generated token.
+        files = (p + g - 1) // BLOCK
+        self.assertEqual(len(self.block_files()), files)
+        self.assertIn("%d block files written" % files, tail)
+        self.assertTrue(all(os.path.getsize(os.path.join(self.dir, f)) == block_file_bytes()
+                            for f in self.block_files()))
+
+        second, m2, _ = self.serve_once(body)
+        u2 = second["usage"]
+        cached = min(BLOCK * (p // BLOCK), p - 1)  # the last prompt token is always computed
+        self.assertEqual(u2["prompt_tokens_details"]["cached_tokens"], cached)
+        self.assertEqual(u2["prompt_tokens_details"]["cached_from_disk_tokens"], cached)
+        self.assertEqual(u2["prefilled_tokens"], p - cached)
+        self.assertEqual(second["choices"][0]["text"], first["choices"][0]["text"])
+        self.assertEqual(m2["prefix_block_hits"], 0)
+        self.assertEqual(m2["prefix_block_disk_hits"], p // BLOCK)
+        self.assertEqual(m2["tokens_from_disk"], cached)
+        self.assertEqual(m2["prefix_tier"]["files_skipped"], 0)
+
+    def test_a_corrupt_block_file_is_skipped_and_counted(self):
+        body = {"prompt": self.PROMPT, "max_tokens": 4, "temperature": 0}
+        first, _, _ = self.serve_once(body)
+        for name in self.block_files():  # one payload byte of every file flipped
+            path = os.path.join(self.dir, name)
+            with open(path, "r+b") as f:
+                f.seek(-5, os.SEEK_END)
+                b = f.read(1)
+                f.seek(-5, os.SEEK_END)
+                f.write(bytes([b[0] ^ 0x40]))
+        second, m, _ = self.serve_once(body)
+        self.assertEqual(second["usage"]["prompt_tokens_details"]["cached_tokens"], 0)
+        self.assertEqual(second["choices"][0]["text"], first["choices"][0]["text"])
+        # The first block is asked for, found corrupt, and the match ends there.
+        self.assertEqual(m["prefix_tier"]["skipped"]["corrupt"], 1)
+        self.assertEqual(m["prefix_tier"]["files_skipped"], 1)
+        self.assertEqual(m["prefix_block_disk_hits"], 0)
+
+    def test_bad_prefix_flags_exit_2_with_one_line(self):
+        a_file = os.path.join(self.dir, "a_file")
+        open(a_file, "w").close()
+        fb = block_file_bytes()
+        cases = [
+            (["--prefix-dir", self.dir, "--prefix-max-bytes", str(fb - 1)],
+             "--prefix-max-bytes: %d is smaller than one block file of this model (%d bytes at "
+             "--block-size %d)" % (fb - 1, fb, BLOCK)),
+            (["--prefix-dir", self.dir, "--prefix-max-bytes", "0"],
+             "--prefix-max-bytes: expects an integer in [1, "),
+            (["--prefix-max-bytes", "100000"], "--prefix-max-bytes needs --prefix-dir"),
+            (["--prefix-dir", os.path.join(a_file, "sub")],
+             "--prefix-dir: PrefixTier: directory '%s' cannot be created" %
+             os.path.join(a_file, "sub")),
+            (["--prefix-dir", self.dir, "--no-prefix-cache"],
+             "--prefix-dir needs the prefix cache"),
+        ]
+        for args, message in cases:
+            out = subprocess.run([BINARY, "--port", "0", "--block-size", str(BLOCK)] + args,
+                                 capture_output=True, text=True, timeout=TIMEOUT)
+            self.assertEqual(out.returncode, 2, (args, out.stderr))
+            self.assertEqual(out.stdout, "", args)
+            lines = out.stderr.split("\n")
+            self.assertEqual(len(lines), 2, (args, out.stderr))  # one line and its newline
+            self.assertTrue(lines[0].startswith("server: " + message), (args, out.stderr))
+            self.assertTrue(lines[0].endswith("(see server --help)"), (args, out.stderr))
+        self.assertEqual(self.block_files(), [])
+
+
 if __name__ == "__main__":
-    SERVER = Server(sys.argv.pop(1))
+    BINARY = sys.argv.pop(1)
+    SERVER = Server(BINARY)
     try:
         result = unittest.main(exit=False, verbosity=2).result
     finally:

@@ -11,14 +11,24 @@ puts every token already sampled into one event, so under load an event may hold
 throughput is generated tokens / wall time of the whole run. The engine's own TTFT (submission
 -> first token) and inter-token latency (per token) come from /metrics. Prints Markdown tables.
 
+With --prefix-restart, instead: the time to first token of one request (system prompt + a
+question) on a server with an empty --prefix-dir (cold), on a server restarted on that directory
+(the system prompt's blocks loaded from disk) and again on that server (from memory). Each
+server first answers an unrelated warm-up request.
+
 usage: tools/load_bench.py build/release/examples/server [--clients 16] [--requests 2] [--repeat 5]
+       tools/load_bench.py build/release/examples/server --prefix-restart [--repeat 5]
 """
 import argparse
 import http.client
 import json
+import os
+import resource
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -115,6 +125,16 @@ def system_prompt(port, target, timeout):
     return text, post(port, {"prompt": text, "max_tokens": 1}, timeout)["usage"]["prompt_tokens"]
 
 
+def cpu_seconds(pid):
+    """User + system CPU seconds of process pid (all its threads, /proc), or of this one."""
+    if pid is None:
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime + r.ru_stime
+    with open("/proc/%d/stat" % pid) as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def pct(values, q):
     if not values:
         return float("nan")
@@ -146,12 +166,15 @@ def run(binary, name, args, opts, system):
                         errors.append(repr(e))
 
         threads = [threading.Thread(target=client, args=(c,)) for c in range(opts.clients)]
+        cpu0 = cpu_seconds(server.proc.pid), cpu_seconds(None)
         t0 = time.perf_counter()
         for t in threads:
             t.start()
         for t in threads:
             t.join()
         wall = time.perf_counter() - t0
+        server_cpu = cpu_seconds(server.proc.pid) - cpu0[0]
+        client_cpu = cpu_seconds(None) - cpu0[1]
         m = get(server.port, "/metrics", opts.timeout)
     finally:
         server.stop()
@@ -169,7 +192,54 @@ def run(binary, name, args, opts, system):
         "preemptions": m["preemptions"],
         "server_itl_p50": m["itl"]["p50_ms"], "server_itl_p99": m["itl"]["p99_ms"],
         "server_ttft_p50": m["ttft"]["p50_ms"],
+        "server_cpu": server_cpu, "client_cpu": client_cpu, "steps": m["steps"],
     }
+
+
+def restart_bench(opts, common, system, n_system):
+    """Cold, from disk after a restart, and from memory: TTFT of one request each, per run."""
+
+    def measure(server, question):
+        t0 = time.perf_counter()
+        r = post(server.port, {"prompt": system + "\n" + QUESTIONS[question], "max_tokens": 1,
+                               "temperature": 0}, opts.timeout)
+        wall = (time.perf_counter() - t0) * 1e3
+        u = r["usage"]
+        return (u["prefilled_tokens"], u["prompt_tokens_details"]["cached_tokens"],
+                u["prompt_tokens_details"]["cached_from_disk_tokens"], u["ttft_ms"], wall)
+
+    def start(directory):
+        server = Server(opts.server, common + ["--prefix-dir", directory])
+        post(server.port, {"prompt": "Amen.", "max_tokens": 2}, opts.timeout)  # warm-up
+        return server
+
+    rows = []
+    for rep in range(opts.repeat):
+        directory = tempfile.mkdtemp(prefix="kvdecode_prefix_bench_")
+        try:
+            server = start(directory)
+            row = {"cold": measure(server, 0)}
+            server.stop()  # writes the cached blocks to the directory
+            server = start(directory)
+            row["disk"] = measure(server, 1)
+            row["memory"] = measure(server, 2)
+            server.stop()
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+        rows.append(row)
+        print("run %d: " % (rep + 1) + "; ".join(
+            "%s: prefilled %d, cached %d (%d from disk), engine TTFT %.2f ms, client %.2f ms" %
+            ((phase,) + row[phase]) for phase in ("cold", "disk", "memory")))
+    print("\n| %d-token system prompt + question | prefilled | from disk | engine TTFT ms, "
+          "median (min) | client ms, median (min) |" % n_system)
+    print("|---|---:|---:|---:|---:|")
+    for phase, name in (("cold", "empty --prefix-dir"), ("disk", "restarted, blocks on disk"),
+                        ("memory", "same server again, blocks in memory")):
+        ttft = [row[phase][3] for row in rows]
+        wall = [row[phase][4] for row in rows]
+        print("| %s | %d | %d | %.2f (%.2f) | %.2f (%.2f) |" % (
+            name, rows[0][phase][0], rows[0][phase][2], statistics.median(ttft), min(ttft),
+            statistics.median(wall), min(wall)))
 
 
 def main():
@@ -182,6 +252,8 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=300, help="seconds per HTTP exchange")
     ap.add_argument("--repeat", type=int, default=1, help="runs of the three set-ups")
+    ap.add_argument("--prefix-restart", action="store_true",
+                    help="measure TTFT cold / after a restart on a --prefix-dir / in memory")
     opts = ap.parse_args()
     common = ["--threads", str(opts.threads), "--blocks", "2048", "--max-running",
               str(max(16, opts.clients)), "--step-tokens", "256",
@@ -191,6 +263,9 @@ def main():
         system, n_system = system_prompt(probe.port, opts.system_tokens, opts.timeout)
     finally:
         probe.stop()
+    if opts.prefix_restart:
+        restart_bench(opts, common, system, n_system)
+        return 0
     setups = [("batched, prefix cache", common),
               ("batched, no prefix cache", common + ["--no-prefix-cache"]),
               ("one at a time, prefix cache", common + ["--max-running", "1"])]
@@ -227,6 +302,15 @@ def main():
           "best runs %.1fx" % (", ".join("%.1fx" % x for x in tok),
                                cached["tok_s"][0] / serial["tok_s"][0],
                                cached["tok_s"][1] / serial["tok_s"][1]))
+    # The machine's other load takes wall time, not our CPU time: tokens per server CPU-second
+    # and tokens per step (the effective batch) show what the engine itself did in each run.
+    cpu = [(rows[0]["tokens"] / rows[0]["server_cpu"]) / (rows[2]["tokens"] / rows[2]["server_cpu"])
+           for rows in runs]
+    print("generated tokens per server CPU-second batched / one at a time, per run: %s" %
+          ", ".join("%.1fx" % x for x in cpu))
+    print("batched (prefix cache) tokens per step, per run: %s; its wall share of one core: %s" % (
+        ", ".join("%.1f" % (rows[0]["tokens"] / rows[0]["steps"]) for rows in runs),
+        ", ".join("%.0f%%" % (100 * rows[0]["server_cpu"] / rows[0]["wall_s"]) for rows in runs)))
     return 1 if failed else 0
 
 
@@ -236,16 +320,17 @@ def report(rows, opts, n_system, rep):
                                                  opts.max_tokens, opts.threads))
     print("| set-up | requests | wall s | gen tok/s | TTFT p50 / p90 / p99 ms | "
           "event gap p50 / p90 / p99 ms | engine TTFT p50 ms | engine ITL p50 / p99 ms | "
-          "prompt tok (cached) | prefilled | preemptions |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "prompt tok (cached) | prefilled | preemptions | CPU s server / client | steps |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print("| %s | %d%s | %.2f | %.0f | %.1f / %.1f / %.1f | %.2f / %.2f / %.2f | %.1f | "
-              "%.2f / %.2f | %.0f (%.0f) | %d | %d |" % (
+              "%.2f / %.2f | %.0f (%.0f) | %d | %d | %.2f / %.2f | %d |" % (
                   r["name"], r["requests"],
                   " (%d failed)" % len(r["errors"]) if r["errors"] else "", r["wall_s"],
                   r["tok_s"], r["ttft_p50"], r["ttft_p90"], r["ttft_p99"], r["itl_p50"],
                   r["itl_p90"], r["itl_p99"], r["server_ttft_p50"], r["server_itl_p50"], r["server_itl_p99"],
-                  r["prompt_tokens"], r["cached"], r["prefilled"], r["preemptions"]))
+                  r["prompt_tokens"], r["cached"], r["prefilled"], r["preemptions"],
+                  r["server_cpu"], r["client_cpu"], r["steps"]))
     cached, uncached, serial = rows
     print("\nTTFT p50 without / with the prefix cache: %.1fx" %
           (uncached["ttft_p50"] / cached["ttft_p50"]))

@@ -1,7 +1,8 @@
 // Engine<T, W>: continuous batching on a paged KV pool. Requests arrive at any time from any
 // thread; each step decodes every running sequence in one batched pass and spends the rest of a
 // token budget on chunked prefill of waiting ones (vLLM's chunked-prefill scheduling), admitting
-// requests while the pool has blocks and preempting (by recomputation) when it runs out.
+// requests while the pool has blocks and preempting (by recomputation) when it runs out. With a
+// prefix directory, a PrefixTier keeps the pool's evicted blocks on disk for later processes.
 #pragma once
 
 #include <algorithm>
@@ -11,6 +12,7 @@
 #include <cstdint>
 #include <deque>
 #include <exception>
+#include <filesystem>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -25,6 +27,7 @@
 #include "kvdecode/model/activations.hpp"
 #include "kvdecode/model/model.hpp"
 #include "kvdecode/serving/engine_metrics.hpp"
+#include "kvdecode/serving/prefix_tier.hpp"
 #include "kvdecode/serving/request.hpp"
 #include "kvdecode/store/block_pool.hpp"
 #include "kvdecode/store/paged_store.hpp"
@@ -44,6 +47,15 @@ struct EngineOptions {
   bool prefix_cache = true;           ///< keep full blocks for later requests with the same prefix
   std::size_t capacity = 0;           ///< positions of one sequence; 0 means the model's seq_len
   ThreadPool* thread_pool = nullptr;  ///< the threads of every step (not owned); nullptr: none
+  /// A directory of block files behind the prefix cache (serving/prefix_tier.hpp): blocks the
+  /// pool evicts are written there, a prompt block missing in memory is looked for there, and
+  /// the destructor writes every cached block, so a new engine on the directory reuses prefixes
+  /// an earlier one computed. Empty: no tier. Needs prefix_cache; construction then hashes
+  /// every weight once (the files are only valid for these exact weights).
+  std::filesystem::path prefix_dir{};
+  /// The most bytes of block files kept in prefix_dir, least recently used removed first; at
+  /// least one block file (PrefixTier<T>::file_bytes_for).
+  std::uint64_t prefix_max_bytes = std::uint64_t{1} << 30;
 };
 
 /// A serving engine over one Model and one BlockPool that it owns.
@@ -67,17 +79,25 @@ struct EngineOptions {
 /// A sequence's sampler lives as long as its request and only advances when it samples, so a
 /// preempted request produces what it would have produced alone.
 ///
+/// Prefix tier (options.prefix_dir): the engine owns a PrefixTier attached to its pool. The pool
+/// itself asks it when a prompt block misses in memory (BlockPool::match_prefix) and hands it
+/// every cached block it evicts; the engine only counts what came from disk and, when it is
+/// destroyed (or on flush_prefix_tier()), offers it every block still cached in memory.
+///
 /// No allocation in a step that admits nothing: the batch lists are reserved for max_running
-/// and step_tokens, a stream's token list for its max_tokens.
+/// and step_tokens, a stream's token list for its max_tokens. (A tier allocates when a step
+/// evicts a cached block, to write its file.)
 template <class T, class W = T>
 class Engine {
  public:
   using Clock = std::chrono::steady_clock;
 
-  /// Throws Error for options the model or the pool refuse (naming the option).
+  /// Throws Error for options the model or the pool refuse (naming the option), and for a
+  /// prefix_dir that cannot be created or written, before the pool's memory is taken.
   Engine(const Model<T, W>& model, const EngineOptions& options)
       : model_(model),
         options_(checked(options, model.config())),
+        tier_(make_tier(model, options_)),
         pool_(
             model.config(), options_.n_blocks, options_.block_size,
             BlockPoolOptions{.capacity = options_.capacity, .prefix_cache = options_.prefix_cache}),
@@ -90,15 +110,23 @@ class Engine {
     stores_.reserve(options_.max_running);
     lengths_.reserve(options_.max_running);
     batch_tokens_.reserve(options_.step_tokens);
+    // Attached last, so that a throw above leaves no tier pointing to a destroyed pool.
+    if (tier_) tier_->attach(pool_);
+    publish();  // metrics() shows the pool and the tier's files before the first step
   }
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
-  /// Requests still queued or running end with kCancelled, so no reader waits forever. The step
-  /// loop must have stopped.
+  /// Requests still queued or running end with kCancelled, so no reader waits forever; then
+  /// every cached block goes to the prefix tier (flush_prefix_tier). The step loop must have
+  /// stopped.
   ~Engine() {
     take_incoming();
     for (auto& s : running_) end(*s, FinishReason::kCancelled);
     for (auto& s : waiting_) end(*s, FinishReason::kCancelled);
+    if (tier_) {
+      pool_.spill_cached();
+      tier_->detach();  // the tier is declared before the pool: detach while the pool lives
+    }
   }
 
   const EngineOptions& options() const { return options_; }
@@ -189,6 +217,17 @@ class Engine {
   /// The pool; step thread only (tests inspect its blocks between steps).
   const BlockPool<T>& pool() const { return pool_; }
 
+  /// Writes every block cached in memory that the prefix tier has no file of yet (the
+  /// destructor does the same) and publishes the metrics; returns the blocks offered, 0 without
+  /// a tier. Step thread only, or while the step loop is stopped.
+  std::size_t flush_prefix_tier() {
+    const std::size_t n = pool_.spill_cached();
+    publish();
+    return n;
+  }
+  /// The prefix tier, nullptr without prefix_dir; step thread only.
+  const PrefixTier<T>* prefix_tier() const { return tier_.get(); }
+
  private:
   struct Sequence {
     Sequence(std::int64_t vocab_size, const SamplerOptions& sampling)
@@ -219,7 +258,26 @@ class Engine {
     KVDECODE_CHECK(o.step_tokens >= o.max_running, "Engine: step_tokens ", o.step_tokens,
                    " must be at least max_running ", o.max_running,
                    " (one token per decoding sequence)");
+    if (!o.prefix_dir.empty()) {
+      KVDECODE_CHECK(o.prefix_cache, "Engine: prefix_dir '", o.prefix_dir.string(),
+                     "' needs prefix_cache");
+      const std::size_t file = PrefixTier<T>::file_bytes_for(
+          static_cast<std::size_t>(cfg.n_layers), static_cast<std::size_t>(cfg.n_kv_heads),
+          static_cast<std::size_t>(cfg.head_size()), o.block_size);
+      KVDECODE_CHECK(o.prefix_max_bytes >= file, "Engine: prefix_max_bytes ", o.prefix_max_bytes,
+                     " is smaller than one block file (", file, " bytes at block_size ",
+                     o.block_size, ")");
+    }
     return o;
+  }
+
+  /// The tier of o.prefix_dir (created and checked for writing), not yet attached; or none.
+  static std::unique_ptr<PrefixTier<T>> make_tier(const Model<T, W>& model,
+                                                  const EngineOptions& o) {
+    if (o.prefix_dir.empty()) return nullptr;
+    return std::make_unique<PrefixTier<T>>(
+        model_fingerprint(model),
+        PrefixTierOptions{.directory = o.prefix_dir, .max_bytes = o.prefix_max_bytes});
   }
 
   static double ms_between(Clock::time_point a, Clock::time_point b) {
@@ -368,26 +426,23 @@ class Engine {
 
   void admit(Sequence& s) {
     const Clock::time_point now = Clock::now();
-    s.store = PagedStore<T>::open(pool_, s.tokens);
+    const std::uint64_t memory_hits = pool_.stats().hits;
+    s.store = PagedStore<T>::open(pool_, s.tokens);  // memory, then the tier's files
     s.target = s.tokens.size();
     if (!s.admitted_before) {
       s.admitted_before = true;
+      // Blocks after the first one loaded from disk cannot be in memory (their parent entry is
+      // new), so the memory hits are the first blocks and the rest of the match came from disk.
+      const std::size_t from_memory =
+          std::min(s.store.size(), (pool_.stats().hits - memory_hits) * pool_.block_size());
       s.usage.cached_tokens = s.store.size();
+      s.usage.cached_from_disk_tokens = s.store.size() - from_memory;
       s.usage.queue_ms = ms_between(s.submitted, now);
       m_.prompt_tokens += s.prompt_size;
       m_.tokens_reused += s.store.size();
+      m_.tokens_from_disk += s.usage.cached_from_disk_tokens;
     }
-    if (s.store.size() / pool_.block_size() < s.tokens.size() / pool_.block_size())
-      on_prefix_miss(s);
   }
-
-  /// The seam for a lower prefix tier (a persistent store of blocks, serving/prefix_tier.hpp):
-  /// called at admission when the pool's cache holds fewer full blocks of s.tokens than it has.
-  /// A tier would fill the blocks after s.store.size() from its copy and extend the sequence
-  /// before prefill. Its other half would be offered the blocks the pool evicts (a cached
-  /// block BlockPool::acquire takes for new data); the pool has no eviction callback for it yet.
-  /// No tier is attached: nothing happens.
-  void on_prefix_miss(Sequence&) {}
 
   // ---------------------------------------------------------------------------------------------
   // Running a step.
@@ -465,14 +520,22 @@ class Engine {
     m_.blocks_free = pool_.n_free();
     m_.blocks_cached = pool_.n_evictable();
     m_.prefix_block_hits = pool_.stats().hits;
-    m_.prefix_block_misses = pool_.stats().misses;
     m_.evictions = pool_.stats().evictions;
+    if (tier_) {
+      m_.prefix_tier = true;
+      m_.tier = tier_->stats();
+    }
+    m_.prefix_block_disk_hits = m_.tier.disk_hits;
+    m_.prefix_block_misses = pool_.stats().misses - m_.tier.disk_hits;
     std::lock_guard lock(published_mutex_);
     published_ = m_;
   }
 
   const Model<T, W>& model_;
   const EngineOptions options_;
+  // Before the pool, so that a bad prefix_dir throws before the pool's memory is taken; attached
+  // in the constructor's body and detached in the destructor's, while the pool lives.
+  std::unique_ptr<PrefixTier<T>> tier_;
   BlockPool<T> pool_;
   Activations<T> act_;
   std::shared_ptr<detail::WakeSignal> wake_;

@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "kvdecode/serving/latency_histogram.hpp"
+#include "kvdecode/serving/prefix_tier.hpp"
 
 namespace kvdecode {
 
@@ -26,13 +27,20 @@ struct EngineMetrics {
   std::uint64_t failed = 0;
   std::uint64_t preemptions = 0;
   std::uint64_t prompt_tokens = 0;      ///< prompt tokens of admitted requests
-  std::uint64_t tokens_reused = 0;      ///< of those, found in the prefix cache
+  std::uint64_t tokens_reused = 0;      ///< of those, found in the prefix cache (memory or disk)
+  std::uint64_t tokens_from_disk = 0;   ///< of those reused, loaded from the prefix tier's files
   std::uint64_t tokens_prefilled = 0;   ///< of those, computed
   std::uint64_t tokens_recomputed = 0;  ///< computed again after a preemption
   std::uint64_t tokens_generated = 0;
-  std::uint64_t prefix_block_hits = 0;    ///< full prompt blocks found in the pool's cache
-  std::uint64_t prefix_block_misses = 0;  ///< full prompt blocks not found
-  std::uint64_t evictions = 0;            ///< cached blocks reused for other data
+  std::uint64_t prefix_block_hits = 0;       ///< full prompt blocks found in the pool's memory
+  std::uint64_t prefix_block_disk_hits = 0;  ///< full prompt blocks loaded from the tier's files
+  std::uint64_t prefix_block_misses = 0;     ///< full prompt blocks found in neither
+  std::uint64_t evictions = 0;               ///< cached blocks reused for other data
+
+  bool prefix_tier = false;  ///< a prefix directory is attached (EngineOptions::prefix_dir)
+  /// The tier's counters: files written / evicted, write failures, files skipped by TierSkip
+  /// reason, files and bytes on disk. All 0 without a tier.
+  PrefixTierStats tier{};
 
   LatencyHistogram ttft;  ///< submission to first token, per request
   LatencyHistogram itl;   ///< between consecutive tokens of a request

@@ -284,9 +284,9 @@ class PrefixTier final : public BlockPool<T>::Tier {
                                        pt::kLayoutEnd - pt::kOffScalarBytes)) +
               "-";
     run_elems_ = pool.block_size() * pool.head_size();
-    payload_bytes_ =
-        4 * pool.block_size() + 2 * pool.n_layers() * pool.n_kv_heads() * run_elems_ * sizeof(T);
-    file_bytes_ = pt::kHeaderBytes + payload_bytes_;
+    file_bytes_ =
+        file_bytes_for(pool.n_layers(), pool.n_kv_heads(), pool.head_size(), pool.block_size());
+    payload_bytes_ = file_bytes_ - pt::kHeaderBytes;
     buffer_.assign(file_bytes_ + 1, 0);  // one more, to see trailing bytes when reading
     scan();
     make_room(0);
@@ -305,6 +305,13 @@ class PrefixTier final : public BlockPool<T>::Tier {
   std::uint64_t max_bytes() const { return max_bytes_; }
   /// Bytes of one block file of the attached pool (header + tokens + keys + values).
   std::size_t file_bytes() const { return file_bytes_; }
+  /// Bytes of one block file for a pool of this shape, before any pool is attached (a cap
+  /// below it keeps nothing): header, block_size int32 tokens, then keys and values.
+  static std::size_t file_bytes_for(std::size_t n_layers, std::size_t n_kv_heads,
+                                    std::size_t head_size, std::size_t block_size) {
+    return detail::prefix_tier::kHeaderBytes + 4 * block_size +
+           2 * n_layers * n_kv_heads * block_size * head_size * sizeof(T);
+  }
   /// The file that holds the block ending the prefix with this hash (attached only).
   std::filesystem::path file_for(std::uint64_t prefix_hash) const {
     return directory_ / (prefix_ + detail::prefix_tier::hex16(prefix_hash) +

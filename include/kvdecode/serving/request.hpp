@@ -63,10 +63,11 @@ inline std::string_view to_string(FinishReason r) {
 
 /// What a request cost, as its caller may report it (an API's "usage").
 struct RequestUsage {
-  std::size_t prompt_tokens = 0;      ///< tokens of the prompt
-  std::size_t cached_tokens = 0;      ///< prompt tokens found in the prefix cache at admission
-  std::size_t prefilled_tokens = 0;   ///< prompt tokens computed (prompt - cached)
-  std::size_t recomputed_tokens = 0;  ///< tokens computed again after preemptions
+  std::size_t prompt_tokens = 0;  ///< tokens of the prompt
+  std::size_t cached_tokens = 0;  ///< prompt tokens found in the prefix cache at admission
+  std::size_t cached_from_disk_tokens = 0;  ///< of those, loaded from the prefix tier's files
+  std::size_t prefilled_tokens = 0;         ///< prompt tokens computed (prompt - cached)
+  std::size_t recomputed_tokens = 0;        ///< tokens computed again after preemptions
   std::size_t generated_tokens = 0;
   std::size_t preemptions = 0;
   double queue_ms = 0;  ///< submission to first admission
