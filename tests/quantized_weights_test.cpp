@@ -12,12 +12,14 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
 #include <iostream>
+#include <limits>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -113,6 +115,39 @@ TEST(WeightBlocksTest, Q8QuantizesByTheFormula) {
     for (int j = 0; j < 32; ++j) {
       EXPECT_EQ(b.qs[j], static_cast<int>(std::round(x[j] / d))) << seed << " " << j;
       EXPECT_LE(std::abs(back[j] - x[j]), d / 2 + 127 * std::abs(dh - d) + 1e-7 * amax);
+    }
+  }
+}
+
+// Blocks at the edges of f32: a block of subnormals (d = max|x| / 127 is subnormal, so 1/d
+// overflows to infinity) and blocks holding an infinity or a NaN. Codes stay in ggml's range
+// (q8_0 never -128) and the subnormal block gives back 0 everywhere (its binary16 scale is 0).
+// (clang's UBSan, in the fuzz preset, reports a code converted from an out-of-range float: the
+// fuzz corpus holds the GGUF file that found it, fuzz/corpus/gguf/subnormal_block_q8_0.gguf.)
+TEST(WeightBlocksTest, QuantizesSubnormalAndNonFiniteBlocks) {
+  std::array<float, 32> tiny{};
+  for (std::size_t j = 0; j < tiny.size(); ++j)
+    tiny[j] = std::numeric_limits<float>::denorm_min() * static_cast<float>(j % 2 ? 7 : -3);
+  std::array<float, 32> with_inf{};
+  with_inf.fill(0.5f);
+  with_inf[3] = std::numeric_limits<float>::infinity();
+  std::array<float, 32> with_nan{};
+  with_nan.fill(-0.25f);
+  with_nan[7] = std::numeric_limits<float>::quiet_NaN();
+  for (const auto* x : {&tiny, &with_inf, &with_nan}) {
+    float back[32];
+    const Q8_0 b8 = quantize_block_q8_0(x->data());
+    dequantize_row(&b8, back, 32);
+    for (int j = 0; j < 32; ++j) {
+      EXPECT_NE(b8.qs[j], -128) << j;
+      if (x == &tiny) {
+        EXPECT_EQ(back[j], 0.0f) << j;
+      }
+    }
+    const Q4_0 b4 = quantize_block_q4_0(x->data());
+    dequantize_row(&b4, back, 32);
+    if (x == &tiny) {
+      for (int j = 0; j < 32; ++j) EXPECT_EQ(back[j], 0.0f) << j;
     }
   }
 }

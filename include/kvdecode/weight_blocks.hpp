@@ -90,8 +90,11 @@ inline Q8_0 quantize_block_q8_0(const float* x) {
   Q8_0 b{};
   b.d = float_to_f16(d);
   for (std::size_t j = 0; j < kWeightBlock; ++j) {
-    const float q = std::round(x[j] * id);  // |q| ≤ 127; NaN (a non-finite input) stores 0
-    b.qs[j] = static_cast<std::int8_t>(q == q ? q : 0.0f);
+    // |q| ≤ 127, except where d is subnormal and 1/d overflows (the stored f16 d is then 0, so
+    // any code gives 0): clamped, as converting an out-of-range float is undefined. NaN (a
+    // non-finite input) stores 0.
+    const float q = std::round(x[j] * id);
+    b.qs[j] = static_cast<std::int8_t>(q == q ? std::clamp(q, -127.0f, 127.0f) : 0.0f);
   }
   return b;
 }
