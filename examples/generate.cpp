@@ -108,7 +108,8 @@ void declare(CLI::App& app, Options& o) {
   const char* model = "Model";
   app.add_option("-m,--model", o.model,
                  "llama2.c checkpoint (v0 format), e.g. stories15M.bin, or a GGUF file of the "
-                 "llama architecture (f32, f16, bf16, q8_0 or q4_0 tensors). Default: the bundled "
+                 "llama architecture (f32, f16, bf16, q8_0 or q4_0 tensors; a llama or gpt2 "
+                 "vocabulary). Default: the bundled "
                  "models/kjv_tiny.bin (2.36M parameters trained on the King James Bible). "
                  "\"demo\": the library's demo model, deterministic random weights (its text is "
                  "noise, its timings are real); also used when kjv_tiny.bin is missing")
