@@ -9,6 +9,8 @@
 // is not the GEMV's order (gemv.hpp), so a token here differs from decode() within f32 rounding.
 // bf16 weights follow gemv.hpp's rule (x already rounded by the caller, products exact): widened
 // at transposition, the same chain; with AVX512_BF16 vdpbf16ps adds the products pair by pair.
+// Choice: Model's batched entry points use it for 2..16 rows (linear.hpp FewTokenOrder::kLanes),
+// trading bit-equality with decode() (B = 1 stays the GEMV) for speed and batch independence.
 #pragma once
 
 #include <algorithm>
