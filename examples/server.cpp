@@ -587,6 +587,7 @@ int run(const Options& o) {
   httplib::Server http;
   http.new_task_queue = [n = o.http_threads] { return new httplib::ThreadPool(n); };
   http.set_payload_max_length(o.max_body_bytes);
+  http.set_tcp_nodelay(true);  // each streamed event goes out as written (no Nagle wait for an ACK)
   http.set_read_timeout(10, 0);
   http.set_write_timeout(10, 0);
   http.Get("/health", [&](const httplib::Request&, httplib::Response& res) {
