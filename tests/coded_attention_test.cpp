@@ -113,7 +113,7 @@ TEST(CodedAttentionTest, LowBitKernelsMatchTheFormula) {
         detail::SplitMix64 rng(sh.hs * 17 + sh.rows + bits);
         const std::size_t hs = sh.hs, rows = sh.rows, row_bytes = hs * bits / 8;
         if (hs * bits % 8 != 0) continue;
-        std::vector<float> q(hs), qs(hs), p(rows), w(rows);
+        std::vector<float> q(hs), qs((hs + 31) / 32 * 32), p(rows), w(rows);
         std::vector<std::uint16_t> kmin(hs), kstep(hs), vmin(rows), vstep(rows);
         std::vector<std::uint8_t> kc(rows * row_bytes), vc(rows * row_bytes);
         for (float& x : q) x = uniform(rng);
@@ -137,7 +137,7 @@ TEST(CodedAttentionTest, LowBitKernelsMatchTheFormula) {
         };
         const float scale = 0.3f;
         const float qm =
-            detail::low_bit_query(ks, qs.data(), q.data(), kmin.data(), kstep.data(), hs);
+            detail::low_bit_query(ks, qs.data(), q.data(), kmin.data(), kstep.data(), bits, hs);
         std::vector<float> s(rows, -1.0f);
         detail::coded_scores_low_bit(ks, s.data(), qs.data(), qm, kc.data(), bits, rows, hs, scale);
         for (std::size_t r = 0; r < rows; ++r) {

@@ -97,6 +97,11 @@ KVDECODE_INTRINSICS_BEGIN
 // multiply-adds do not wait on each other.
 // ---------------------------------------------------------------------------------------------
 
+/// How far ahead of the row being read its codes are requested: the blocks of one (layer, kv
+/// head) lie one after another, so this runs into the next block while the current one is
+/// computed (a prefetch past the buffer's end is harmless).
+inline constexpr std::size_t kPrefetchBytes = 2048;
+
 /// Lanes [0, count) of a 16-lane mask (count ≥ 16 gives all of them).
 KVDECODE_TARGET_AVX512 inline __mmask16 coded_mask16(std::size_t count) {
   return count >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << count) - 1u);
@@ -129,43 +134,42 @@ KVDECODE_TARGET_AVX512 inline __m512 widen_int8_avx512(const std::int8_t* codes,
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, codes)));
 }
 
-/// 16 channels' 4-bit codes from 8 bytes (fewer channels under mask m, an even count) to f32:
-/// each byte widened to a 16-bit lane b, made the byte pair (b & 15, b >> 4) in channel order.
-KVDECODE_TARGET_AVX512 inline __m512 widen_q4_avx512(const std::uint8_t* codes, __mmask16 m) {
-  const auto bytes = static_cast<unsigned>(__builtin_popcount(m)) / 2;
-  const __m128i b =
-      _mm_cvtepu8_epi16(_mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << bytes) - 1u), codes));
-  const __m128i pairs =
-      _mm_or_si128(_mm_and_si128(b, _mm_set1_epi16(0x0F)), _mm_slli_epi16(_mm_srli_epi16(b, 4), 8));
-  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(pairs));
-}
+/// A row's int8 codes · q [hs], as 16 partial sums.
+struct Int8RowDot {
+  const float* q;
+  const std::int8_t* codes;
+  std::size_t hs;
+  KVDECODE_TARGET_AVX512 __m512 operator()(std::size_t r) const {
+    const std::int8_t* row = codes + r * hs;
+    _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetchBytes, _MM_HINT_T0);
+    __m512 a = _mm512_setzero_ps();
+    std::size_t c = 0;
+    for (; c + 16 <= hs; c += 16)
+      a = _mm512_fmadd_ps(_mm512_loadu_ps(q + c),
+                          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                              _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c)))),
+                          a);
+    if (c < hs) {
+      const __mmask16 m = coded_mask16(hs - c);
+      a = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q + c), widen_int8_avx512(row + c, m), a);
+    }
+    return a;
+  }
+};
 
-/// s [rows] = scale · row_scale[r] · (bias + Σ_c q[c] · widen(row r)[c]); Widen(ptr, mask)
-/// gives a row's channels [c, c+16) from the byte at ptr; row_scale null means 1.
-template <class Code, std::size_t kCodesPerByte, class Widen>
-KVDECODE_TARGET_AVX512 inline void coded_scores_avx512(float* s, const float* q, float bias,
-                                                       const Code* codes, const float* row_scale,
-                                                       std::size_t rows, std::size_t hs,
-                                                       float scale, Widen widen) {
-  const std::size_t row_len = hs / kCodesPerByte;
-  const __mmask16 tail = coded_mask16(hs % 16);
-  const std::size_t full = hs - hs % 16;
+/// s [rows] = scale · row_scale[r] · (bias + Σ of dot(r)'s lanes); row_scale null means 1.
+template <class RowDot>
+KVDECODE_TARGET_AVX512 inline void coded_scores_avx512(float* s, float bias, const float* row_scale,
+                                                       std::size_t rows, float scale, RowDot dot) {
   const __m512 vs = _mm512_set1_ps(scale), vb = _mm512_set1_ps(bias);
   for (std::size_t r0 = 0; r0 < rows; r0 += 16) {
     const std::size_t count = rows - r0 < 16 ? rows - r0 : 16;
     __m512 acc[16];
-    KVDECODE_UNROLL
-    for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
-    for (std::size_t i = 0; i < count; ++i) {
-      const Code* row = codes + (r0 + i) * row_len;
-      __m512 a = _mm512_setzero_ps();
-      std::size_t c = 0;
-      for (; c < full; c += 16)
-        a = _mm512_fmadd_ps(_mm512_loadu_ps(q + c), widen(row + c / kCodesPerByte, 0xFFFF), a);
-      if (tail != 0xFFFF && c < hs)
-        a = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, q + c),
-                            widen(row + c / kCodesPerByte, tail), a);
-      acc[i] = a;
+    if (count == 16) {
+      KVDECODE_UNROLL
+      for (std::size_t i = 0; i < 16; ++i) acc[i] = dot(r0 + i);
+    } else {
+      for (std::size_t i = 0; i < 16; ++i) acc[i] = i < count ? dot(r0 + i) : _mm512_setzero_ps();
     }
     const __mmask16 m = coded_mask16(count);
     __m512 sum = _mm512_add_ps(reduce16_avx512(acc), vb);
@@ -196,6 +200,7 @@ KVDECODE_TARGET_AVX512 inline void coded_pv_chunk_avx512(float* o, const float* 
     for (int u = 0; u < 4; ++u) {
       const __m512 wb = _mm512_set1_ps(w[r + static_cast<std::size_t>(u)]);
       const Code* row = base + (r + static_cast<std::size_t>(u)) * row_len;
+      _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetchBytes, _MM_HINT_T0);
       KVDECODE_UNROLL
       for (int j = 0; j < J; ++j)
         acc[u][j] = _mm512_fmadd_ps(wb, widen(row + 16 * j / kCodesPerByte, m[j]), acc[u][j]);
@@ -239,11 +244,112 @@ struct WidenInt8Avx512 {
     return widen_int8_avx512(p, m);
   }
 };
-struct WidenQ4Avx512 {
-  KVDECODE_TARGET_AVX512 __m512 operator()(const std::uint8_t* p, __mmask16 m) const {
-    return widen_q4_avx512(p, m);
+
+// 4-bit rows in halves: 16 bytes widened to 16 dword lanes hold 32 channels, the low nibbles
+// the even channels and the high nibbles the odd ones. The query is laid out the same way once
+// per group, and p·v sums even and odd channels apart and interleaves them once per block.
+
+/// Dword lanes of 16 code bytes (fewer under byte mask m, the rest 0).
+KVDECODE_TARGET_AVX512 inline __m512i q4_bytes_avx512(const std::uint8_t* codes, __mmask16 m) {
+  return _mm512_cvtepu8_epi32(m == 0xFFFF ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes))
+                                          : _mm_maskz_loadu_epi8(m, codes));
+}
+KVDECODE_TARGET_AVX512 inline __m512 q4_even_avx512(__m512i b) {
+  return _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0x0F)));
+}
+KVDECODE_TARGET_AVX512 inline __m512 q4_odd_avx512(__m512i b) {
+  return _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+}
+/// The byte mask of the codes of channels [c, c + 32) of a row of hs channels.
+inline __mmask16 q4_byte_mask(std::size_t hs, std::size_t c) {
+  const std::size_t bytes = hs - c >= 32 ? 16 : (hs - c) / 2;
+  return static_cast<__mmask16>((1u << bytes) - 1u);
+}
+
+/// A row's 4-bit codes · qs in halves [round_up(hs, 32)], as 16 partial sums.
+struct Q4RowDot {
+  const float* qs;
+  const std::uint8_t* codes;
+  std::size_t hs;
+  KVDECODE_TARGET_AVX512 __m512 operator()(std::size_t r) const {
+    const std::uint8_t* row = codes + r * (hs / 2);
+    _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetchBytes, _MM_HINT_T0);
+    __m512 a = _mm512_setzero_ps();
+    for (std::size_t c = 0; c < hs; c += 32) {
+      const __m512i b = q4_bytes_avx512(row + c / 2, q4_byte_mask(hs, c));
+      a = _mm512_fmadd_ps(_mm512_loadu_ps(qs + c), q4_even_avx512(b), a);
+      a = _mm512_fmadd_ps(_mm512_loadu_ps(qs + c + 16), q4_odd_avx512(b), a);
+    }
+    return a;
   }
 };
+
+/// even, odd [J] += w · one row's codes of 32·J channels (byte masks bm [J]).
+template <int J>
+KVDECODE_TARGET_AVX512 inline void q4_pv_row(__m512* even, __m512* odd, float w,
+                                             const std::uint8_t* row, const __mmask16* bm) {
+  const __m512 wb = _mm512_set1_ps(w);
+  _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetchBytes, _MM_HINT_T0);
+  KVDECODE_UNROLL
+  for (int j = 0; j < J; ++j) {
+    const __m512i b = q4_bytes_avx512(row + 16 * j, bm[j]);
+    even[j] = _mm512_fmadd_ps(wb, q4_even_avx512(b), even[j]);
+    odd[j] = _mm512_fmadd_ps(wb, q4_odd_avx512(b), odd[j]);
+  }
+}
+
+/// o [hs] channels [d0, d0 + 32·J) += Σ_r w[r] · codes of row r, 4 rows' sums apart.
+template <int J>
+KVDECODE_TARGET_AVX512 inline void q4_pv_chunk_avx512(float* o, const float* w,
+                                                      const std::uint8_t* codes, std::size_t rows,
+                                                      std::size_t hs, std::size_t d0) {
+  const std::size_t row_len = hs / 2;
+  __mmask16 bm[J];
+  KVDECODE_UNROLL
+  for (int j = 0; j < J; ++j) bm[j] = q4_byte_mask(hs, d0 + 32 * static_cast<std::size_t>(j));
+  __m512 even[4][J], odd[4][J];
+  KVDECODE_UNROLL
+  for (int u = 0; u < 4; ++u) KVDECODE_UNROLL
+  for (int j = 0; j < J; ++j) even[u][j] = odd[u][j] = _mm512_setzero_ps();
+  const std::uint8_t* base = codes + d0 / 2;
+  std::size_t r = 0;
+  for (; r + 4 <= rows; r += 4) {
+    KVDECODE_UNROLL
+    for (int u = 0; u < 4; ++u)
+      q4_pv_row<J>(even[u], odd[u], w[r + static_cast<std::size_t>(u)],
+                   base + (r + static_cast<std::size_t>(u)) * row_len, bm);
+  }
+  for (; r < rows; ++r) q4_pv_row<J>(even[0], odd[0], w[r], base + r * row_len, bm);
+  const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i hi =
+      _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  KVDECODE_UNROLL
+  for (int j = 0; j < J; ++j) {
+    const __m512 e =
+        _mm512_add_ps(_mm512_add_ps(even[0][j], even[1][j]), _mm512_add_ps(even[2][j], even[3][j]));
+    const __m512 d =
+        _mm512_add_ps(_mm512_add_ps(odd[0][j], odd[1][j]), _mm512_add_ps(odd[2][j], odd[3][j]));
+    const std::size_t c = d0 + 32 * static_cast<std::size_t>(j);
+    const __mmask16 m0 = coded_mask16(hs - c), m1 = coded_mask16(hs - c > 16 ? hs - c - 16 : 0);
+    float* out = o + c;
+    _mm512_mask_storeu_ps(
+        out, m0, _mm512_add_ps(_mm512_maskz_loadu_ps(m0, out), _mm512_permutex2var_ps(e, lo, d)));
+    _mm512_mask_storeu_ps(
+        out + 16, m1,
+        _mm512_add_ps(_mm512_maskz_loadu_ps(m1, out + 16), _mm512_permutex2var_ps(e, hi, d)));
+  }
+}
+
+KVDECODE_TARGET_AVX512 inline void q4_pv_avx512(float* o, const float* w, const std::uint8_t* codes,
+                                                std::size_t rows, std::size_t hs) {
+  for (std::size_t d0 = 0; d0 < hs; d0 += 64) {
+    if (hs - d0 > 32) {
+      q4_pv_chunk_avx512<2>(o, w, codes, rows, hs, d0);
+    } else {
+      q4_pv_chunk_avx512<1>(o, w, codes, rows, hs, d0);
+    }
+  }
+}
 
 /// w [rows] = p [rows] · step [rows].
 KVDECODE_TARGET_AVX512 inline void coded_weights_avx512(float* w, const float* p, const float* step,
@@ -261,17 +367,23 @@ KVDECODE_TARGET_AVX512 inline __m512 load_f16_avx512(const std::uint16_t* x, __m
   return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, x));
 }
 
-/// qs [hs] = q ⊙ kstep and returns q · kmin (ranges f16).
-KVDECODE_TARGET_AVX512 inline float low_bit_query_avx512(float* qs, const float* q,
-                                                         const std::uint16_t* kmin,
-                                                         const std::uint16_t* kstep,
-                                                         std::size_t hs) {
+/// qs [round_up(hs, 32)] = q ⊙ kstep in 4-bit halves (per 32 channels: the 16 even ones, then
+/// the 16 odd ones, past hs 0), returns q · kmin (ranges f16).
+KVDECODE_TARGET_AVX512 inline float q4_query_avx512(float* qs, const float* q,
+                                                    const std::uint16_t* kmin,
+                                                    const std::uint16_t* kstep, std::size_t hs) {
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
   __m512 qm = _mm512_setzero_ps();
-  for (std::size_t c = 0; c < hs; c += 16) {
-    const __mmask16 m = coded_mask16(hs - c);
-    const __m512 qc = _mm512_maskz_loadu_ps(m, q + c);
-    _mm512_mask_storeu_ps(qs + c, m, _mm512_mul_ps(qc, load_f16_avx512(kstep + c, m)));
-    qm = _mm512_fmadd_ps(qc, load_f16_avx512(kmin + c, m), qm);
+  for (std::size_t c = 0; c < hs; c += 32) {
+    const __mmask16 m0 = coded_mask16(hs - c), m1 = coded_mask16(hs - c > 16 ? hs - c - 16 : 0);
+    const __m512 q0 = _mm512_maskz_loadu_ps(m0, q + c), q1 = _mm512_maskz_loadu_ps(m1, q + c + 16);
+    qm = _mm512_fmadd_ps(q0, load_f16_avx512(kmin + c, m0), qm);
+    qm = _mm512_fmadd_ps(q1, load_f16_avx512(kmin + c + 16, m1), qm);
+    const __m512 p0 = _mm512_maskz_mul_ps(m0, q0, load_f16_avx512(kstep + c, m0));
+    const __m512 p1 = _mm512_maskz_mul_ps(m1, q1, load_f16_avx512(kstep + c + 16, m1));
+    _mm512_storeu_ps(qs + c, _mm512_permutex2var_ps(p0, even, p1));
+    _mm512_storeu_ps(qs + c + 16, _mm512_permutex2var_ps(p0, odd, p1));
   }
   return _mm512_reduce_add_ps(qm);
 }
@@ -305,8 +417,7 @@ inline void coded_scores_int8(KernelSet ks, float* s, const float* q, const std:
                               const float* kscale, std::size_t rows, std::size_t hs, float scale) {
 #if KVDECODE_X86_KERNELS
   if (coded_attention_kernels(ks))
-    return coded_scores_avx512<std::int8_t, 1>(s, q, 0.0f, codes, kscale, rows, hs, scale,
-                                               WidenInt8Avx512{});
+    return coded_scores_avx512(s, 0.0f, kscale, rows, scale, Int8RowDot{q, codes, hs});
 #endif
   static_cast<void>(ks);
   coded_scores_int8_portable(s, q, codes, kscale, rows, hs, scale);
@@ -326,24 +437,26 @@ inline void coded_pv_int8(KernelSet ks, float* o, const float* p, float* w,
   coded_pv_int8_portable(o, p, codes, vscale, rows, hs);
 }
 
-/// qs [hs] = q ⊙ kstep, returns q · kmin (ranges f16), with set ks.
+/// The query folded with a group's key ranges (f16) for coded_scores_low_bit with the same set
+/// and bits: qs [round_up(hs, 32)] = q ⊙ kstep (4-bit in the AVX-512 sets: in the halves their
+/// kernel reads), returns q · kmin.
 inline float low_bit_query(KernelSet ks, float* qs, const float* q, const std::uint16_t* kmin,
-                           const std::uint16_t* kstep, std::size_t hs) {
+                           const std::uint16_t* kstep, unsigned bits, std::size_t hs) {
 #if KVDECODE_X86_KERNELS
-  if (coded_attention_kernels(ks)) return low_bit_query_avx512(qs, q, kmin, kstep, hs);
+  if (coded_attention_kernels(ks) && bits == 4) return q4_query_avx512(qs, q, kmin, kstep, hs);
 #endif
-  static_cast<void>(ks);
+  static_cast<void>(ks), static_cast<void>(bits);
   return low_bit_query_portable(qs, q, kmin, kstep, hs);
 }
 
-/// s [rows] = (qm + qs [hs] · codes [rows][hs · bits / 8]) · scale, with set ks.
+/// s [rows] = (qm + qs · codes [rows][hs · bits / 8]) · scale, with set ks and qs, qm from
+/// low_bit_query.
 inline void coded_scores_low_bit(KernelSet ks, float* s, const float* qs, float qm,
                                  const std::uint8_t* codes, unsigned bits, std::size_t rows,
                                  std::size_t hs, float scale) {
 #if KVDECODE_X86_KERNELS
   if (coded_attention_kernels(ks) && bits == 4)
-    return coded_scores_avx512<std::uint8_t, 2>(s, qs, qm, codes, nullptr, rows, hs, scale,
-                                                WidenQ4Avx512{});
+    return coded_scores_avx512(s, qm, nullptr, rows, scale, Q4RowDot{qs, codes, hs});
 #endif
   static_cast<void>(ks);
   coded_scores_low_bit_portable(s, qs, qm, codes, bits, rows, hs, scale);
@@ -357,7 +470,7 @@ inline void coded_pv_low_bit(KernelSet ks, float* o, const float* p, float* w,
 #if KVDECODE_X86_KERNELS
   if (coded_attention_kernels(ks) && bits == 4) {
     const float bias = low_bit_weights_avx512(w, p, vmin, vstep, rows);
-    coded_pv_avx512<std::uint8_t, 2>(o, w, codes, rows, hs, WidenQ4Avx512{});
+    q4_pv_avx512(o, w, codes, rows, hs);
     for (std::size_t c = 0; c < hs; ++c) o[c] += bias;
     return;
   }

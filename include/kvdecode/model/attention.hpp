@@ -43,7 +43,15 @@ struct AttentionScratch {
         block(n_threads_ * store_scratch),
         packed_keys(detail::attention_may_use_kernels<T>()
                         ? n_threads_ * static_cast<std::size_t>(cfg.head_size()) * kTile
-                        : 0) {}
+                        : 0),
+        coded(n_threads_ * coded_size(static_cast<std::size_t>(cfg.head_size()))) {}
+
+  /// Elements of one thread's coded-path scratch: the query folded with a group's ranges
+  /// [round_up(head_size, 32)], the rotated query [head_size], a rotated block's value sum
+  /// [head_size] and a tile's value weights [kTile].
+  static constexpr std::size_t coded_size(std::size_t head_size) {
+    return (head_size + 31) / 32 * 32 + 2 * head_size + kTile;
+  }
 
   /// Thread t's score tile [max_queries][kTile] and store scratch [block_scratch_size()].
   T* thread_scores(std::size_t t) { return scores.data() + t * max_queries_ * kTile; }
@@ -58,6 +66,8 @@ struct AttentionScratch {
   T* thread_packed_keys(std::size_t t) {
     return packed_keys.data() + t * (packed_keys.size() / n_threads_);
   }
+  /// Thread t's coded-path scratch [coded_size(head_size)].
+  T* thread_coded(std::size_t t) { return coded.data() + t * (coded.size() / n_threads_); }
   std::size_t n_threads() const { return n_threads_; }
   std::size_t max_queries() const { return max_queries_; }
 
@@ -73,6 +83,7 @@ struct AttentionScratch {
   AlignedBuffer<T> row_sum;      // [n_threads][kv_mul][max_queries] running Σ exp(score - max)
   AlignedBuffer<T> block;        // [n_threads][store.block_scratch_size()] for stores that decode
   AlignedBuffer<T> packed_keys;  // [n_threads][head_size][kTile] or empty (Eigen's products)
+  AlignedBuffer<T> coded;        // [n_threads][coded_size(head_size)] (attention on codes)
 };
 
 /// Below this many multiply-adds (queries × keys × head_size × heads) attention stays on one
@@ -172,11 +183,10 @@ void attend_kv_head_coded(const ModelConfig& cfg, const S& store, std::size_t la
   float* const s_all = scratch.thread_scores(t);   // [n][kTile] one tile's scores per query
   float* const m_all = scratch.thread_row_max(t);  // [kv_mul][n]
   float* const l_all = scratch.thread_row_sum(t);  // [kv_mul][n]
-  const std::span<float> work = scratch.thread_block(t);
-  float* const qs = work.data();            // [hs] the query folded with a group's ranges
-  float* const qrot = work.data() + hs;     // [hs] the rotated query
-  float* const acc = work.data() + 2 * hs;  // [hs] a rotated block's value sum
-  float* const w = work.data() + 3 * hs;    // [rows] p · the rows' value steps
+  float* const qs = scratch.thread_coded(t);       // [round_up(hs, 32)] query ⊙ a group's steps
+  float* const qrot = qs + (hs + 31) / 32 * 32;    // [hs] the rotated query
+  float* const acc = qrot + hs;                    // [hs] a rotated block's value sum
+  float* const w = acc + hs;                       // [kTile] p · the rows' value steps
   for (std::size_t j = 0; j < kv_mul; ++j) {
     for (std::size_t r = 0; r < n; ++r)
       std::fill_n(out + r * dim + (g * kv_mul + j) * hs, hs, 0.0f);
@@ -188,8 +198,6 @@ void attend_kv_head_coded(const ModelConfig& cfg, const S& store, std::size_t la
   // the online softmax, then p·v.
   const auto attend_rows = [&](std::size_t first, std::size_t rows, const auto& scores_of,
                                const auto& pv_of) {
-    KVDECODE_CHECK(work.size() >= 3 * hs + rows, "attend: store scratch of ", work.size(),
-                   " elements, expected at least ", 3 * hs + rows, " for coded blocks");
     for (std::size_t j = 0; j < kv_mul; ++j) {
       const std::size_t h = g * kv_mul + j;
       for (std::size_t r = 0; r < n; ++r) {
@@ -239,7 +247,7 @@ void attend_kv_head_coded(const ModelConfig& cfg, const S& store, std::size_t la
                 rotate_rows(qrot, 1, hs, b.signs, /*inverse=*/false);
                 qh = qrot;
               }
-              const float qm = low_bit_query(ks, qs, qh, b.key_min, b.key_step, hs);
+              const float qm = low_bit_query(ks, qs, qh, b.key_min, b.key_step, b.bits, hs);
               coded_scores_low_bit(ks, s, qs, qm, keys, b.bits, rows, hs, scale);
             },
             [&](float* o, const float* p) {
