@@ -131,7 +131,9 @@ KVDECODE_TARGET_AVX512 inline __m512 reduce16_avx512(__m512* a) {
 
 /// 16 channels' int8 codes (fewer under mask m) widened to f32.
 KVDECODE_TARGET_AVX512 inline __m512 widen_int8_avx512(const std::int8_t* codes, __mmask16 m) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, codes)));
+  return _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(m == 0xFFFF ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes))
+                                       : _mm_maskz_loadu_epi8(m, codes)));
 }
 
 /// A row's int8 codes · q [hs], as 16 partial sums.
@@ -203,7 +205,10 @@ KVDECODE_TARGET_AVX512 inline void coded_pv_chunk_avx512(float* o, const float* 
       _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetchBytes, _MM_HINT_T0);
       KVDECODE_UNROLL
       for (int j = 0; j < J; ++j)
-        acc[u][j] = _mm512_fmadd_ps(wb, widen(row + 16 * j / kCodesPerByte, m[j]), acc[u][j]);
+        acc[u][j] = _mm512_fmadd_ps(wb,
+                                    widen(row + 16 * static_cast<std::size_t>(j) / kCodesPerByte,
+                                          j + 1 < J ? static_cast<__mmask16>(0xFFFF) : m[j]),
+                                    acc[u][j]);
     }
   }
   for (; r < rows; ++r) {
@@ -211,7 +216,10 @@ KVDECODE_TARGET_AVX512 inline void coded_pv_chunk_avx512(float* o, const float* 
     const Code* row = base + r * row_len;
     KVDECODE_UNROLL
     for (int j = 0; j < J; ++j)
-      acc[0][j] = _mm512_fmadd_ps(wb, widen(row + 16 * j / kCodesPerByte, m[j]), acc[0][j]);
+      acc[0][j] = _mm512_fmadd_ps(wb,
+                                  widen(row + 16 * static_cast<std::size_t>(j) / kCodesPerByte,
+                                        j + 1 < J ? static_cast<__mmask16>(0xFFFF) : m[j]),
+                                  acc[0][j]);
   }
   KVDECODE_UNROLL
   for (int j = 0; j < J; ++j) {
@@ -275,7 +283,13 @@ struct Q4RowDot {
     const std::uint8_t* row = codes + r * (hs / 2);
     _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetchBytes, _MM_HINT_T0);
     __m512 a = _mm512_setzero_ps();
-    for (std::size_t c = 0; c < hs; c += 32) {
+    std::size_t c = 0;
+    for (; c + 32 <= hs; c += 32) {
+      const __m512i b = q4_bytes_avx512(row + c / 2, 0xFFFF);
+      a = _mm512_fmadd_ps(_mm512_loadu_ps(qs + c), q4_even_avx512(b), a);
+      a = _mm512_fmadd_ps(_mm512_loadu_ps(qs + c + 16), q4_odd_avx512(b), a);
+    }
+    if (c < hs) {
       const __m512i b = q4_bytes_avx512(row + c / 2, q4_byte_mask(hs, c));
       a = _mm512_fmadd_ps(_mm512_loadu_ps(qs + c), q4_even_avx512(b), a);
       a = _mm512_fmadd_ps(_mm512_loadu_ps(qs + c + 16), q4_odd_avx512(b), a);
@@ -292,7 +306,9 @@ KVDECODE_TARGET_AVX512 inline void q4_pv_row(__m512* even, __m512* odd, float w,
   _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetchBytes, _MM_HINT_T0);
   KVDECODE_UNROLL
   for (int j = 0; j < J; ++j) {
-    const __m512i b = q4_bytes_avx512(row + 16 * j, bm[j]);
+    // Only the last chunk can be partial: the others load without a mask.
+    const __m512i b = q4_bytes_avx512(row + 16 * static_cast<std::size_t>(j),
+                                      j + 1 < J ? static_cast<__mmask16>(0xFFFF) : bm[j]);
     even[j] = _mm512_fmadd_ps(wb, q4_even_avx512(b), even[j]);
     odd[j] = _mm512_fmadd_ps(wb, q4_odd_avx512(b), odd[j]);
   }
