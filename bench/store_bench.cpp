@@ -1,4 +1,4 @@
-// BM_StoreDecode: one decode step at a long context T (4096 .. 16384 cached positions) for each
+// BM_StoreDecode: one decode step at a long context T (1024 .. 16384 cached positions) for each
 // KV store: ContiguousStore<float> (f32), Int8Store, Q4Store, and WindowStore (W = 1024, S = 4,
 // trained-window and streaming policies), on one thread. At long context the cache, not the
 // weights, is most of the bytes a step reads, so a store that reads fewer bytes per position
@@ -12,6 +12,10 @@
 // depend on the values, and a prefill of 16384 tokens would cost minutes); the timed loop is
 // model.decode() of position T, then truncate(T), so every iteration sees the same T.
 // KVDECODE_BENCH_SMOKE=1 runs T = 256 only.
+//
+// Each run is paired with a read-bandwidth probe taken just before its timed loop (one thread
+// summing a 512 MiB array, the median of 3 passes, as roofline_bench): kv_GB/s is the K/V bytes
+// a step reads over the step's time, and kv_probe% that over the probe, both in thread CPU time.
 
 // Before any Eigen include: GCC 12's false -Wmaybe-uninitialized (see bench_model.hpp).
 #if defined(__GNUC__) && !defined(__clang__)
@@ -19,8 +23,10 @@
 #endif
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <ctime>
 #include <span>
 #include <vector>
 
@@ -33,6 +39,36 @@ using namespace kvdecode;
 
 constexpr std::size_t kWindowPositions = 1024;  // W of both WindowStore policies
 constexpr std::size_t kSinkPositions = 4;       // S, StreamingLLM's choice
+
+/// This thread's CPU time in seconds: on a shared machine, wall time also counts the time the
+/// thread waited for a core (the tables quote CPU time too).
+double thread_seconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
+
+/// One thread's read bandwidth now (bytes/s): the median of 3 sums of a 512 MiB array, far
+/// past the caches, with eight independent accumulators so loads are the limit.
+double probe_bandwidth() {
+  static const AlignedBuffer<float> a = [] {
+    AlignedBuffer<float> b(std::size_t{1} << 27);  // [2^27] 512 MiB
+    for (std::size_t i = 0; i < b.size(); ++i) b[i] = static_cast<float>(i & 7);
+    return b;
+  }();
+  const auto pass = [&] {
+    const double t0 = thread_seconds();
+    float s[8] = {};
+    for (std::size_t i = 0; i < a.size(); i += 8)
+      for (std::size_t k = 0; k < 8; ++k) s[k] += a[i + k];
+    benchmark::DoNotOptimize(s);
+    return static_cast<double>(a.bytes()) / (thread_seconds() - t0);
+  };
+  pass();  // page-in and warm-up
+  double passes[3] = {pass(), pass(), pass()};
+  std::sort(passes, passes + 3);
+  return passes[1];
+}
 
 /// bench_config()'s 15M shape with a 16448-position context and a small vocabulary.
 ModelConfig long_config() {
@@ -99,10 +135,18 @@ void BM_StoreDecode(benchmark::State& state, typename S::Options options) {
     state.counters["bytes_per_step"] = kv_read + weights;
     state.counters["kv_share"] = kv_read / (kv_read + weights);
   }
+  const double probe = probe_bandwidth();
+  const double t0 = thread_seconds();
   for (auto _ : state) {
     benchmark::DoNotOptimize(model.decode(token, store, act).data());
     store.truncate(T);
   }
+  const double seconds = thread_seconds() - t0;
+  const double kv_rate =
+      state.counters["kv_bytes_read"].value * static_cast<double>(state.iterations()) / seconds;
+  state.counters["probe_GB/s"] = probe * 1e-9;
+  state.counters["kv_GB/s"] = kv_rate * 1e-9;
+  state.counters["kv_probe%"] = 100 * kv_rate / probe;
   state.SetItemsProcessed(state.iterations());  // items/s = tokens/s
   state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations()) *
                           static_cast<std::int64_t>(state.counters["bytes_per_step"].value));
@@ -112,7 +156,7 @@ void contexts(benchmark::internal::Benchmark* b) {
   if (bench::smoke()) {
     b->Arg(256);
   } else {
-    for (const std::int64_t T : {4096, 8192, 16384}) b->Arg(T);
+    for (const std::int64_t T : {1024, 4096, 8192, 16384}) b->Arg(T);
   }
   b->Unit(benchmark::kMillisecond);
 }

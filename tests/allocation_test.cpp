@@ -19,11 +19,10 @@
 namespace kvdecode {
 namespace {
 
-template <class T>
-void expect_decode_allocates_nothing(const ModelConfig& cfg) {
+template <class T, class Store = ContiguousStore<T>>
+void expect_decode_allocates_nothing(const ModelConfig& cfg, Store cache) {
   const Model<T> model(random_weights<T>(cfg, 3));
-  ContiguousStore<T> cache(cfg);
-  Activations<T> act(cfg, {.max_chunk = 1});
+  Activations<T> act(cfg, {.max_chunk = 1, .store_scratch = cache.block_scratch_size()});
   Sampler sampler(cfg.vocab_size, SamplerOptions{0.8, 0.9, 5, 42});
   const auto tokens =
       testing_util::random_tokens(static_cast<std::size_t>(cfg.seq_len), cfg.vocab_size, 1);
@@ -41,10 +40,20 @@ void expect_decode_allocates_nothing(const ModelConfig& cfg) {
 }
 
 TEST(AllocationTest, DecodeStepAllocatesNothingFloat) {
-  expect_decode_allocates_nothing<float>(testing_util::small_config(4, 2, 300));
+  const ModelConfig cfg = testing_util::small_config(4, 2, 300);
+  expect_decode_allocates_nothing<float>(cfg, ContiguousStore<float>(cfg));
 }
 TEST(AllocationTest, DecodeStepAllocatesNothingDouble) {
-  expect_decode_allocates_nothing<double>(testing_util::small_config(8, 1, 40));
+  const ModelConfig cfg = testing_util::small_config(8, 1, 40);
+  expect_decode_allocates_nothing<double>(cfg, ContiguousStore<double>(cfg));
+}
+// The quantized stores: a decode step attends to their codes (or decodes them into the
+// Activations' scratch in a set without those kernels), groups quantized and rotated as it goes.
+TEST(AllocationTest, DecodeStepOnQuantizedStoresAllocatesNothing) {
+  const ModelConfig cfg = testing_util::small_config(4, 2, 300);
+  expect_decode_allocates_nothing<float>(cfg, Int8Store<float>(cfg));
+  expect_decode_allocates_nothing<float>(cfg, Q4Store<float>(cfg, 0, 16, 32, /*rotate=*/true));
+  expect_decode_allocates_nothing<float>(cfg, Q2Store<float>(cfg, 0, 16, 0, /*rotate=*/false));
 }
 
 // Block-format weights: the input quantization writes into the Activations' scratch, on one

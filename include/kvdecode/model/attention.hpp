@@ -6,13 +6,16 @@
 #include <array>
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
 #include <limits>
 #include <span>
 #include <type_traits>
 
 #include "kvdecode/aligned_buffer.hpp"
 #include "kvdecode/detail/attention_products.hpp"
+#include "kvdecode/detail/coded_attention.hpp"
 #include "kvdecode/detail/ops.hpp"
+#include "kvdecode/detail/rotation.hpp"
 #include "kvdecode/error.hpp"
 #include "kvdecode/model/model_config.hpp"
 #include "kvdecode/store/kv_store.hpp"
@@ -40,7 +43,15 @@ struct AttentionScratch {
         block(n_threads_ * store_scratch),
         packed_keys(detail::attention_may_use_kernels<T>()
                         ? n_threads_ * static_cast<std::size_t>(cfg.head_size()) * kTile
-                        : 0) {}
+                        : 0),
+        coded(n_threads_ * coded_size(static_cast<std::size_t>(cfg.head_size()))) {}
+
+  /// Elements of one thread's coded-path scratch: the query folded with a group's ranges
+  /// [round_up(head_size, 32)], the rotated query [head_size], a rotated block's value sum
+  /// [head_size] and a tile's value weights [kTile].
+  static constexpr std::size_t coded_size(std::size_t head_size) {
+    return (head_size + 31) / 32 * 32 + 2 * head_size + kTile;
+  }
 
   /// Thread t's score tile [max_queries][kTile] and store scratch [block_scratch_size()].
   T* thread_scores(std::size_t t) { return scores.data() + t * max_queries_ * kTile; }
@@ -55,6 +66,8 @@ struct AttentionScratch {
   T* thread_packed_keys(std::size_t t) {
     return packed_keys.data() + t * (packed_keys.size() / n_threads_);
   }
+  /// Thread t's coded-path scratch [coded_size(head_size)].
+  T* thread_coded(std::size_t t) { return coded.data() + t * (coded.size() / n_threads_); }
   std::size_t n_threads() const { return n_threads_; }
   std::size_t max_queries() const { return max_queries_; }
 
@@ -70,6 +83,7 @@ struct AttentionScratch {
   AlignedBuffer<T> row_sum;      // [n_threads][kv_mul][max_queries] running Σ exp(score - max)
   AlignedBuffer<T> block;        // [n_threads][store.block_scratch_size()] for stores that decode
   AlignedBuffer<T> packed_keys;  // [n_threads][head_size][kTile] or empty (Eigen's products)
+  AlignedBuffer<T> coded;        // [n_threads][coded_size(head_size)] (attention on codes)
 };
 
 /// Below this many multiply-adds (queries × keys × head_size × heads) attention stays on one
@@ -101,10 +115,178 @@ inline void prefetch_rows(const T* keys, const T* values, std::size_t count) {
 #endif
 }
 
+/// One query's step of the online softmax over a tile: row [cols] holds its scores (-inf where
+/// masked) and becomes exp(score - new max); the running max m and sum l are updated and the
+/// output row o [hs] rescaled to the new max. Returns false, the row zeroed, when nothing in
+/// the tile is visible.
+template <class T>
+inline bool online_softmax_row(T* row_data, std::size_t cols, T& m, T& l, T* o, std::size_t hs) {
+  const T neg_inf = -std::numeric_limits<T>::infinity();
+  Eigen::Map<Eigen::Matrix<T, 1, Eigen::Dynamic>> row(row_data, static_cast<Eigen::Index>(cols));
+  const T tile_max = row.maxCoeff();
+  if (tile_max == neg_inf) {
+    row.setZero();
+    return false;
+  }
+  const T new_max = std::max(m, tile_max);
+  const T correction = std::exp(m - new_max);  // exp(-inf) = 0 on the first tile
+  row = (row.array() - new_max).exp();
+  // exp below the smallest normal float is subnormal (a libm exp gives them; Eigen's own
+  // vectorized exp clamps): it adds nothing to an f32 sum, and every multiply-add it enters
+  // takes a slow microcode assist.
+  row = (row.array() >= std::numeric_limits<T>::min()).select(row, T(0));
+  l = l * correction + row.sum();
+  m = new_max;
+  if (correction != T(1))
+    Eigen::Map<Eigen::Matrix<T, 1, Eigen::Dynamic>>(o, static_cast<Eigen::Index>(hs)) *= correction;
+  return true;
+}
+
 /// o [count] += a · v [count], one multiply-add per element in a fixed order.
 template <class T>
 inline void axpy(T* __restrict o, T a, const T* __restrict v, std::size_t count) {
   for (std::size_t i = 0; i < count; ++i) o[i] += a * v[i];
+}
+}  // namespace detail
+
+/// Up to this many queries (a decode step, a short speculative verification) attend to a
+/// CodedKvStore's codes directly; a longer prefill chunk decodes each block once into scratch
+/// and shares it among its queries through the matrix products.
+inline constexpr std::size_t kMaxCodedQueries = 4;
+
+namespace detail {
+/// Stands for attention's coded-block callback when CodedKvStore is checked.
+struct CodedBlockSinkArchetype {
+  template <class Block>
+  void operator()(const Block&) const {}
+};
+
+/// attend_kv_head on the codes a CodedKvStore hands (for_each_coded_block), with set ks's
+/// coded_attention.hpp kernels: scores and p·v widen each row's codes in registers, so no row
+/// is decoded into memory; rows the store keeps in full precision take Eigen's products. A
+/// block's rows go through the online softmax query by query, in tiles of at most kTile rows.
+/// Rotated low-bit codes are met with the rotated query (R q · y = q · Rᵀ y), and their value
+/// sum is rotated back before it joins the output.
+template <class S>
+void attend_kv_head_coded(const ModelConfig& cfg, const S& store, std::size_t layer, std::size_t g,
+                          std::size_t q_first, std::size_t n, const float* q, float* out,
+                          AttentionScratch<float>& scratch, std::size_t t, KernelSet ks) {
+  constexpr std::size_t kTile = AttentionScratch<float>::kTile;
+  const auto dim = static_cast<std::size_t>(cfg.dim);
+  const auto hs = static_cast<std::size_t>(cfg.head_size());
+  const auto kv_mul = static_cast<std::size_t>(cfg.kv_mul());
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  const auto hsi = static_cast<Eigen::Index>(hs);
+  const std::size_t q_last = q_first + n - 1;
+
+  float* const s_all = scratch.thread_scores(t);   // [n][kTile] one tile's scores per query
+  float* const m_all = scratch.thread_row_max(t);  // [kv_mul][n]
+  float* const l_all = scratch.thread_row_sum(t);  // [kv_mul][n]
+  float* const qs = scratch.thread_coded(t);       // [round_up(hs, 32)] query ⊙ a group's steps
+  float* const qrot = qs + (hs + 31) / 32 * 32;    // [hs] the rotated query
+  float* const acc = qrot + hs;                    // [hs] a rotated block's value sum
+  float* const w = acc + hs;                       // [kTile] p · the rows' value steps
+  for (std::size_t j = 0; j < kv_mul; ++j) {
+    for (std::size_t r = 0; r < n; ++r)
+      std::fill_n(out + r * dim + (g * kv_mul + j) * hs, hs, 0.0f);
+    std::fill_n(m_all + j * n, n, neg_inf);
+    std::fill_n(l_all + j * n, n, 0.0f);
+  }
+
+  // Rows [first, first + rows) of the block: per query head and query, its scores, its mask,
+  // the online softmax, then p·v.
+  const auto attend_rows = [&](std::size_t first, std::size_t rows, const auto& scores_of,
+                               const auto& pv_of) {
+    for (std::size_t j = 0; j < kv_mul; ++j) {
+      const std::size_t h = g * kv_mul + j;
+      for (std::size_t r = 0; r < n; ++r) {
+        const std::size_t qi = q_first + r;
+        if (first > qi) continue;  // every row in this query's future
+        float* const srow = s_all + r * kTile;
+        float* const o = out + r * dim + h * hs;
+        scores_of(srow, q + r * dim + h * hs);
+        bool full = first + rows - 1 <= qi;
+        if constexpr (MaskingKvStore<S>) full = false;
+        if (!full)
+          for (std::size_t c = 0; c < rows; ++c) {
+            bool visible = first + c <= qi;
+            if constexpr (MaskingKvStore<S>) visible = visible && !store.masks(qi, first + c);
+            if (!visible) srow[c] = neg_inf;
+          }
+        if (online_softmax_row(srow, rows, m_all[j * n + r], l_all[j * n + r], o, hs))
+          pv_of(o, srow);
+      }
+    }
+  };
+
+  store.for_each_coded_block(layer, g, q_last + 1, [&](const auto& b) {
+    using Block = std::decay_t<decltype(b)>;
+    for (std::size_t r0 = 0; r0 < b.n; r0 += kTile) {
+      const std::size_t rows = std::min(kTile, b.n - r0);
+      if constexpr (std::is_same_v<Block, Int8KvBlock>) {
+        const std::int8_t* keys = b.keys + r0 * hs;      // [rows][hs]
+        const std::int8_t* values = b.values + r0 * hs;  // [rows][hs]
+        attend_rows(
+            b.first + r0, rows,
+            [&](float* s, const float* qh) {
+              coded_scores_int8(ks, s, qh, keys, b.key_scales + r0, rows, hs, scale);
+            },
+            [&](float* o, const float* p) {
+              coded_pv_int8(ks, o, p, w, values, b.value_scales + r0, rows, hs);
+            });
+      } else if constexpr (std::is_same_v<Block, LowBitKvBlock>) {
+        const std::size_t row_bytes = hs * b.bits / 8;
+        const std::uint8_t* keys = b.keys + r0 * row_bytes;      // [rows][row_bytes]
+        const std::uint8_t* values = b.values + r0 * row_bytes;  // [rows][row_bytes]
+        attend_rows(
+            b.first + r0, rows,
+            [&](float* s, const float* qh) {
+              if (b.signs != nullptr) {
+                std::copy_n(qh, hs, qrot);
+                rotate_rows(qrot, 1, hs, b.signs, /*inverse=*/false);
+                qh = qrot;
+              }
+              const float qm = low_bit_query(ks, qs, qh, b.key_min, b.key_step, b.bits, hs);
+              coded_scores_low_bit(ks, s, qs, qm, keys, b.bits, rows, hs, scale);
+            },
+            [&](float* o, const float* p) {
+              if (b.signs == nullptr)
+                return coded_pv_low_bit(ks, o, p, w, values, b.bits, b.value_min + r0,
+                                        b.value_step + r0, rows, hs);
+              std::fill_n(acc, hs, 0.0f);
+              coded_pv_low_bit(ks, acc, p, w, values, b.bits, b.value_min + r0, b.value_step + r0,
+                               rows, hs);
+              rotate_rows(acc, 1, hs, b.signs, /*inverse=*/true);
+              for (std::size_t c = 0; c < hs; ++c) o[c] += acc[c];
+            });
+      } else {
+        static_assert(std::is_same_v<Block, KvBlock<float>>, "a coded block attention knows");
+        const auto ri = static_cast<Eigen::Index>(rows);
+        const Eigen::OuterStride<> bs(static_cast<Eigen::Index>(b.stride));
+        const ConstStridedMap<float> keys(b.keys + r0 * b.stride, ri, hsi, bs);
+        const ConstStridedMap<float> values(b.values + r0 * b.stride, ri, hsi, bs);
+        using RowVec = Eigen::Matrix<float, 1, Eigen::Dynamic>;
+        attend_rows(
+            b.first + r0, rows,
+            [&](float* s, const float* qh) {
+              Eigen::Map<RowVec> sr(s, ri);
+              sr.noalias() = Eigen::Map<const RowVec>(qh, hsi) * keys.transpose();
+              sr *= scale;
+            },
+            [&](float* o, const float* p) {
+              Eigen::Map<RowVec>(o, hsi).noalias() += Eigen::Map<const RowVec>(p, ri) * values;
+            });
+      }
+    }
+  });
+
+  for (std::size_t j = 0; j < kv_mul; ++j)
+    for (std::size_t r = 0; r < n; ++r) {
+      float* const o = out + r * dim + (g * kv_mul + j) * hs;
+      const float l = l_all[j * n + r];
+      for (std::size_t c = 0; c < hs; ++c) o[c] /= l;
+    }
 }
 }  // namespace detail
 
@@ -128,6 +310,12 @@ template <class T, KvStore S>
 void attend_kv_head(const ModelConfig& cfg, const S& store, std::size_t layer, std::size_t g,
                     std::size_t q_first, std::size_t n, const T* q, T* out,
                     AttentionScratch<T>& scratch, std::size_t t) {
+  if constexpr (std::is_same_v<T, float> && CodedKvStore<S, detail::CodedBlockSinkArchetype>) {
+    const KernelSet cks = active_kernel_set();
+    if (n <= kMaxCodedQueries && detail::coded_attention_kernels(cks))
+      return detail::attend_kv_head_coded(cfg, store, layer, g, q_first, n, q, out, scratch, t,
+                                          cks);
+  }
   using detail::RowMatrix;
   using Stride = Eigen::OuterStride<>;
   constexpr std::size_t kTile = AttentionScratch<T>::kTile;
@@ -228,21 +416,7 @@ void attend_kv_head(const ModelConfig& cfg, const S& store, std::size_t layer, s
             }
           }
         }
-        const T tile_max = row.maxCoeff();
-        if (tile_max == neg_inf) {  // nothing visible in this tile for this query
-          row.setZero();
-          continue;
-        }
-        const T new_max = std::max(m[r], tile_max);
-        const T correction = std::exp(m[r] - new_max);  // exp(-inf) = 0 on the first tile
-        row = (row.array() - new_max).exp();
-        // exp below the smallest normal float is subnormal (a libm exp gives them; Eigen's own
-        // vectorized exp clamps): it adds nothing to an f32 sum, and every multiply-add it
-        // enters takes a slow microcode assist.
-        row = (row.array() >= std::numeric_limits<T>::min()).select(row, T(0));
-        l[r] = l[r] * correction + row.sum();
-        m[r] = new_max;
-        if (correction != T(1)) oh.row(static_cast<Eigen::Index>(r)) *= correction;
+        detail::online_softmax_row(row.data(), cols, m[r], l[r], out + r * dim + h * hs, hs);
       }
       for (std::size_t k = 0; k < n_runs; ++k) {
         const TileRun& run = runs[k];

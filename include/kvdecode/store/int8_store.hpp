@@ -1,6 +1,7 @@
 // Int8Store<T>: a KV cache of symmetric int8 rows with one f32 scale per (position, kv head),
-// ~27 % of the f32 cache for head_size 64. Attention reads it block by block through the
-// KvStore concept: for_each_block dequantizes kBlockRows rows at a time into caller scratch.
+// ~27 % of the f32 cache for head_size 64. A decode step's attention reads its codes and scales
+// as stored (for_each_coded_block); a prefill chunk reads rows for_each_block dequantizes,
+// kBlockRows at a time, into caller scratch.
 #pragma once
 
 #include <algorithm>

@@ -1,7 +1,8 @@
 // LowBitStore<T, Bits>: a 4- or 2-bit KV cache in the KIVI style (Liu et al. 2024): keys
 // quantized per channel over a group of G positions, values per token, the newest R positions
 // kept exact, and optionally every row rotated by a fixed orthogonal transform before it is
-// quantized. Attention reads it one group at a time, decoded into caller scratch.
+// quantized. Attention reads it one group at a time: as codes and ranges in a decode step
+// (for_each_coded_block), decoded into caller scratch for a prefill chunk (for_each_block).
 #pragma once
 
 #include <algorithm>

@@ -1,0 +1,498 @@
+// Attention's two products on the quantized stores' codes, for one query against one block of
+// rows, in the run-time kernel sets of cpu.hpp. The codes are widened to f32 in registers and
+// multiplied with the f32 query (or probabilities), the scales folded in after the sum, so no
+// row is dequantized into memory and the query keeps its full precision:
+//   int8     s[r] = (q · code[r]) · kscale[r] · scale       o += Σ_r (p[r] · vscale[r]) code[r]
+//   low-bit  s[r] = (qm + qs · code[r]) · scale             o += Σ_r (p[r] · vstep[r]) code[r]
+//            with qs = q ⊙ kstep, qm = q · kmin (the group's per-channel key range) and, for the
+//            values' per-row minimum, o += Σ_r p[r] · vmin[r] on every channel.
+// The portable functions are the reference the tests check the AVX-512 ones against.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kvdecode/detail/cpu.hpp"
+#include "kvdecode/detail/f16.hpp"
+#include "kvdecode/detail/gemv.hpp"  // KVDECODE_UNROLL
+
+namespace kvdecode::detail {
+
+/// Code of channel c of a low-bit row: bits·(c mod 8/bits) of byte c / (8/bits).
+inline unsigned low_bit_code(const std::uint8_t* row, std::size_t c, unsigned bits) {
+  const std::size_t per_byte = 8 / bits;
+  return (row[c / per_byte] >> (bits * (c % per_byte))) & ((1u << bits) - 1u);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Portable: plain loops, sums in index order.
+// ---------------------------------------------------------------------------------------------
+
+/// s [rows] = (q [hs] · codes [rows][hs]) · kscale [rows] · scale.
+inline void coded_scores_int8_portable(float* s, const float* q, const std::int8_t* codes,
+                                       const float* kscale, std::size_t rows, std::size_t hs,
+                                       float scale) {
+  for (std::size_t r = 0; r < rows; ++r) {
+    float acc = 0.0f;
+    for (std::size_t c = 0; c < hs; ++c) acc += q[c] * static_cast<float>(codes[r * hs + c]);
+    s[r] = acc * kscale[r] * scale;
+  }
+}
+
+/// o [hs] += Σ_r p [r] · vscale [r] · codes [r][hs].
+inline void coded_pv_int8_portable(float* o, const float* p, const std::int8_t* codes,
+                                   const float* vscale, std::size_t rows, std::size_t hs) {
+  for (std::size_t r = 0; r < rows; ++r) {
+    const float w = p[r] * vscale[r];
+    for (std::size_t c = 0; c < hs; ++c) o[c] += w * static_cast<float>(codes[r * hs + c]);
+  }
+}
+
+/// qs [hs] = q ⊙ kstep and returns q · kmin: the query folded with a group's key ranges (f16).
+inline float low_bit_query_portable(float* qs, const float* q, const std::uint16_t* kmin,
+                                    const std::uint16_t* kstep, std::size_t hs) {
+  float qm = 0.0f;
+  for (std::size_t c = 0; c < hs; ++c) {
+    qs[c] = q[c] * f16_to_float(kstep[c]);
+    qm += q[c] * f16_to_float(kmin[c]);
+  }
+  return qm;
+}
+
+/// s [rows] = (qm + qs [hs] · codes [rows][hs · bits / 8]) · scale.
+inline void coded_scores_low_bit_portable(float* s, const float* qs, float qm,
+                                          const std::uint8_t* codes, unsigned bits,
+                                          std::size_t rows, std::size_t hs, float scale) {
+  const std::size_t row_bytes = hs * bits / 8;
+  for (std::size_t r = 0; r < rows; ++r) {
+    float acc = 0.0f;
+    for (std::size_t c = 0; c < hs; ++c)
+      acc += qs[c] * static_cast<float>(low_bit_code(codes + r * row_bytes, c, bits));
+    s[r] = (qm + acc) * scale;
+  }
+}
+
+/// o [hs] += Σ_r p [r] · (vmin [r] + vstep [r] · codes [r][hs · bits / 8]) (ranges f16).
+inline void coded_pv_low_bit_portable(float* o, const float* p, const std::uint8_t* codes,
+                                      unsigned bits, const std::uint16_t* vmin,
+                                      const std::uint16_t* vstep, std::size_t rows,
+                                      std::size_t hs) {
+  const std::size_t row_bytes = hs * bits / 8;
+  float bias = 0.0f;
+  for (std::size_t r = 0; r < rows; ++r) {
+    const float w = p[r] * f16_to_float(vstep[r]);
+    bias += p[r] * f16_to_float(vmin[r]);
+    for (std::size_t c = 0; c < hs; ++c)
+      o[c] += w * static_cast<float>(low_bit_code(codes + r * row_bytes, c, bits));
+  }
+  for (std::size_t c = 0; c < hs; ++c) o[c] += bias;
+}
+
+#if KVDECODE_X86_KERNELS
+KVDECODE_INTRINSICS_BEGIN
+
+// ---------------------------------------------------------------------------------------------
+// AVX-512: scores sum each row into a vector of 16 partial sums, and 16 rows' vectors are
+// reduced together into one vector of 16 scores; p·v keeps 4 rows' accumulators apart so the
+// multiply-adds do not wait on each other.
+// ---------------------------------------------------------------------------------------------
+
+/// How far ahead of the row being read its codes are requested: the blocks of one (layer, kv
+/// head) lie one after another, so this runs into the next block while the current one is
+/// computed (a prefetch past the buffer's end is harmless).
+inline constexpr std::size_t kPrefetchBytes = 2048;
+
+/// Lanes [0, count) of a 16-lane mask (count ≥ 16 gives all of them).
+KVDECODE_TARGET_AVX512 inline __mmask16 coded_mask16(std::size_t count) {
+  return count >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << count) - 1u);
+}
+
+/// Lane i of the result = the sum of the 16 lanes of a[i].
+KVDECODE_TARGET_AVX512 inline __m512 reduce16_avx512(__m512* a) {
+  __m512 t[8];
+  KVDECODE_UNROLL
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: (a, b, a, b) partial sums of rows 2i, 2i+1
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                         _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  __m512 u[4];
+  KVDECODE_UNROLL
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: rows 4i .. 4i+3
+    const __m512d lo = _mm512_castps_pd(t[2 * i]), hi = _mm512_castps_pd(t[2 * i + 1]);
+    u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(lo, hi)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(lo, hi)));
+  }
+  // Sum the four 128-bit lanes of each u[i] into 128-bit lane i of the result.
+  const __m512 w01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88),   // lanes 0,2 | 0,2
+                                   _mm512_shuffle_f32x4(u[0], u[1], 0xDD));  // lanes 1,3 | 1,3
+  const __m512 w23 =
+      _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w01, w23, 0x88), _mm512_shuffle_f32x4(w01, w23, 0xDD));
+}
+
+/// 16 channels' int8 codes (fewer under mask m) widened to f32.
+KVDECODE_TARGET_AVX512 inline __m512 widen_int8_avx512(const std::int8_t* codes, __mmask16 m) {
+  return _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(m == 0xFFFF ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes))
+                                       : _mm_maskz_loadu_epi8(m, codes)));
+}
+
+/// A row's int8 codes · q [hs], as 16 partial sums.
+struct Int8RowDot {
+  const float* q;
+  const std::int8_t* codes;
+  std::size_t hs;
+  KVDECODE_TARGET_AVX512 __m512 operator()(std::size_t r) const {
+    const std::int8_t* row = codes + r * hs;
+    _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetchBytes, _MM_HINT_T0);
+    __m512 a = _mm512_setzero_ps();
+    std::size_t c = 0;
+    for (; c + 16 <= hs; c += 16)
+      a = _mm512_fmadd_ps(_mm512_loadu_ps(q + c),
+                          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                              _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c)))),
+                          a);
+    if (c < hs) {
+      const __mmask16 m = coded_mask16(hs - c);
+      a = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q + c), widen_int8_avx512(row + c, m), a);
+    }
+    return a;
+  }
+};
+
+/// s [rows] = scale · row_scale[r] · (bias + Σ of dot(r)'s lanes); row_scale null means 1.
+template <class RowDot>
+KVDECODE_TARGET_AVX512 inline void coded_scores_avx512(float* s, float bias, const float* row_scale,
+                                                       std::size_t rows, float scale, RowDot dot) {
+  const __m512 vs = _mm512_set1_ps(scale), vb = _mm512_set1_ps(bias);
+  for (std::size_t r0 = 0; r0 < rows; r0 += 16) {
+    const std::size_t count = rows - r0 < 16 ? rows - r0 : 16;
+    __m512 acc[16];
+    if (count == 16) {
+      KVDECODE_UNROLL
+      for (std::size_t i = 0; i < 16; ++i) acc[i] = dot(r0 + i);
+    } else {
+      for (std::size_t i = 0; i < 16; ++i) acc[i] = i < count ? dot(r0 + i) : _mm512_setzero_ps();
+    }
+    const __mmask16 m = coded_mask16(count);
+    __m512 sum = _mm512_add_ps(reduce16_avx512(acc), vb);
+    if (row_scale != nullptr) sum = _mm512_mul_ps(sum, _mm512_maskz_loadu_ps(m, row_scale + r0));
+    _mm512_mask_storeu_ps(s + r0, m, _mm512_mul_ps(sum, vs));
+  }
+}
+
+/// o [hs] channels [d0, d0 + 16·J) += Σ_r w[r] · widen(row r): 4 rows' sums apart, added at
+/// the end.
+template <int J, class Code, std::size_t kCodesPerByte, class Widen>
+KVDECODE_TARGET_AVX512 inline void coded_pv_chunk_avx512(float* o, const float* w,
+                                                         const Code* codes, std::size_t rows,
+                                                         std::size_t hs, std::size_t d0,
+                                                         Widen widen) {
+  const std::size_t row_len = hs / kCodesPerByte;
+  __mmask16 m[J];
+  KVDECODE_UNROLL
+  for (int j = 0; j < J; ++j) m[j] = coded_mask16(hs - d0 - 16 * static_cast<std::size_t>(j));
+  __m512 acc[4][J];
+  KVDECODE_UNROLL
+  for (int u = 0; u < 4; ++u) KVDECODE_UNROLL
+  for (int j = 0; j < J; ++j) acc[u][j] = _mm512_setzero_ps();
+  const Code* base = codes + d0 / kCodesPerByte;
+  std::size_t r = 0;
+  for (; r + 4 <= rows; r += 4) {
+    KVDECODE_UNROLL
+    for (int u = 0; u < 4; ++u) {
+      const __m512 wb = _mm512_set1_ps(w[r + static_cast<std::size_t>(u)]);
+      const Code* row = base + (r + static_cast<std::size_t>(u)) * row_len;
+      _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetchBytes, _MM_HINT_T0);
+      KVDECODE_UNROLL
+      for (int j = 0; j < J; ++j)
+        acc[u][j] = _mm512_fmadd_ps(wb,
+                                    widen(row + 16 * static_cast<std::size_t>(j) / kCodesPerByte,
+                                          j + 1 < J ? static_cast<__mmask16>(0xFFFF) : m[j]),
+                                    acc[u][j]);
+    }
+  }
+  for (; r < rows; ++r) {
+    const __m512 wb = _mm512_set1_ps(w[r]);
+    const Code* row = base + r * row_len;
+    KVDECODE_UNROLL
+    for (int j = 0; j < J; ++j)
+      acc[0][j] = _mm512_fmadd_ps(wb,
+                                  widen(row + 16 * static_cast<std::size_t>(j) / kCodesPerByte,
+                                        j + 1 < J ? static_cast<__mmask16>(0xFFFF) : m[j]),
+                                  acc[0][j]);
+  }
+  KVDECODE_UNROLL
+  for (int j = 0; j < J; ++j) {
+    float* out = o + d0 + 16 * static_cast<std::size_t>(j);
+    const __m512 sum =
+        _mm512_add_ps(_mm512_add_ps(acc[0][j], acc[1][j]), _mm512_add_ps(acc[2][j], acc[3][j]));
+    _mm512_mask_storeu_ps(out, m[j], _mm512_add_ps(_mm512_maskz_loadu_ps(m[j], out), sum));
+  }
+}
+
+template <class Code, std::size_t kCodesPerByte, class Widen>
+KVDECODE_TARGET_AVX512 inline void coded_pv_avx512(float* o, const float* w, const Code* codes,
+                                                   std::size_t rows, std::size_t hs, Widen widen) {
+  for (std::size_t d0 = 0; d0 < hs; d0 += 64) {
+    const std::size_t left = hs - d0;
+    if (left > 48) {
+      coded_pv_chunk_avx512<4, Code, kCodesPerByte>(o, w, codes, rows, hs, d0, widen);
+    } else if (left > 32) {
+      coded_pv_chunk_avx512<3, Code, kCodesPerByte>(o, w, codes, rows, hs, d0, widen);
+    } else if (left > 16) {
+      coded_pv_chunk_avx512<2, Code, kCodesPerByte>(o, w, codes, rows, hs, d0, widen);
+    } else {
+      coded_pv_chunk_avx512<1, Code, kCodesPerByte>(o, w, codes, rows, hs, d0, widen);
+    }
+  }
+}
+
+struct WidenInt8Avx512 {
+  KVDECODE_TARGET_AVX512 __m512 operator()(const std::int8_t* p, __mmask16 m) const {
+    return widen_int8_avx512(p, m);
+  }
+};
+
+// 4-bit rows in halves: 16 bytes widened to 16 dword lanes hold 32 channels, the low nibbles
+// the even channels and the high nibbles the odd ones. The query is laid out the same way once
+// per group, and p·v sums even and odd channels apart and interleaves them once per block.
+
+/// Dword lanes of 16 code bytes (fewer under byte mask m, the rest 0).
+KVDECODE_TARGET_AVX512 inline __m512i q4_bytes_avx512(const std::uint8_t* codes, __mmask16 m) {
+  return _mm512_cvtepu8_epi32(m == 0xFFFF ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes))
+                                          : _mm_maskz_loadu_epi8(m, codes));
+}
+KVDECODE_TARGET_AVX512 inline __m512 q4_even_avx512(__m512i b) {
+  return _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0x0F)));
+}
+KVDECODE_TARGET_AVX512 inline __m512 q4_odd_avx512(__m512i b) {
+  return _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+}
+/// The byte mask of the codes of channels [c, c + 32) of a row of hs channels.
+inline __mmask16 q4_byte_mask(std::size_t hs, std::size_t c) {
+  const std::size_t bytes = hs - c >= 32 ? 16 : (hs - c) / 2;
+  return static_cast<__mmask16>((1u << bytes) - 1u);
+}
+
+/// A row's 4-bit codes · qs in halves [round_up(hs, 32)], as 16 partial sums.
+struct Q4RowDot {
+  const float* qs;
+  const std::uint8_t* codes;
+  std::size_t hs;
+  KVDECODE_TARGET_AVX512 __m512 operator()(std::size_t r) const {
+    const std::uint8_t* row = codes + r * (hs / 2);
+    _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetchBytes, _MM_HINT_T0);
+    __m512 a = _mm512_setzero_ps();
+    std::size_t c = 0;
+    for (; c + 32 <= hs; c += 32) {
+      const __m512i b = q4_bytes_avx512(row + c / 2, 0xFFFF);
+      a = _mm512_fmadd_ps(_mm512_loadu_ps(qs + c), q4_even_avx512(b), a);
+      a = _mm512_fmadd_ps(_mm512_loadu_ps(qs + c + 16), q4_odd_avx512(b), a);
+    }
+    if (c < hs) {
+      const __m512i b = q4_bytes_avx512(row + c / 2, q4_byte_mask(hs, c));
+      a = _mm512_fmadd_ps(_mm512_loadu_ps(qs + c), q4_even_avx512(b), a);
+      a = _mm512_fmadd_ps(_mm512_loadu_ps(qs + c + 16), q4_odd_avx512(b), a);
+    }
+    return a;
+  }
+};
+
+/// even, odd [J] += w · one row's codes of 32·J channels (byte masks bm [J]).
+template <int J>
+KVDECODE_TARGET_AVX512 inline void q4_pv_row(__m512* even, __m512* odd, float w,
+                                             const std::uint8_t* row, const __mmask16* bm) {
+  const __m512 wb = _mm512_set1_ps(w);
+  _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetchBytes, _MM_HINT_T0);
+  KVDECODE_UNROLL
+  for (int j = 0; j < J; ++j) {
+    // Only the last chunk can be partial: the others load without a mask.
+    const __m512i b = q4_bytes_avx512(row + 16 * static_cast<std::size_t>(j),
+                                      j + 1 < J ? static_cast<__mmask16>(0xFFFF) : bm[j]);
+    even[j] = _mm512_fmadd_ps(wb, q4_even_avx512(b), even[j]);
+    odd[j] = _mm512_fmadd_ps(wb, q4_odd_avx512(b), odd[j]);
+  }
+}
+
+/// o [hs] channels [d0, d0 + 32·J) += Σ_r w[r] · codes of row r, 4 rows' sums apart.
+template <int J>
+KVDECODE_TARGET_AVX512 inline void q4_pv_chunk_avx512(float* o, const float* w,
+                                                      const std::uint8_t* codes, std::size_t rows,
+                                                      std::size_t hs, std::size_t d0) {
+  const std::size_t row_len = hs / 2;
+  __mmask16 bm[J];
+  KVDECODE_UNROLL
+  for (int j = 0; j < J; ++j) bm[j] = q4_byte_mask(hs, d0 + 32 * static_cast<std::size_t>(j));
+  __m512 even[4][J], odd[4][J];
+  KVDECODE_UNROLL
+  for (int u = 0; u < 4; ++u) KVDECODE_UNROLL
+  for (int j = 0; j < J; ++j) even[u][j] = odd[u][j] = _mm512_setzero_ps();
+  const std::uint8_t* base = codes + d0 / 2;
+  std::size_t r = 0;
+  for (; r + 4 <= rows; r += 4) {
+    KVDECODE_UNROLL
+    for (int u = 0; u < 4; ++u)
+      q4_pv_row<J>(even[u], odd[u], w[r + static_cast<std::size_t>(u)],
+                   base + (r + static_cast<std::size_t>(u)) * row_len, bm);
+  }
+  for (; r < rows; ++r) q4_pv_row<J>(even[0], odd[0], w[r], base + r * row_len, bm);
+  const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i hi =
+      _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  KVDECODE_UNROLL
+  for (int j = 0; j < J; ++j) {
+    const __m512 e =
+        _mm512_add_ps(_mm512_add_ps(even[0][j], even[1][j]), _mm512_add_ps(even[2][j], even[3][j]));
+    const __m512 d =
+        _mm512_add_ps(_mm512_add_ps(odd[0][j], odd[1][j]), _mm512_add_ps(odd[2][j], odd[3][j]));
+    const std::size_t c = d0 + 32 * static_cast<std::size_t>(j);
+    const __mmask16 m0 = coded_mask16(hs - c), m1 = coded_mask16(hs - c > 16 ? hs - c - 16 : 0);
+    float* out = o + c;
+    _mm512_mask_storeu_ps(
+        out, m0, _mm512_add_ps(_mm512_maskz_loadu_ps(m0, out), _mm512_permutex2var_ps(e, lo, d)));
+    _mm512_mask_storeu_ps(
+        out + 16, m1,
+        _mm512_add_ps(_mm512_maskz_loadu_ps(m1, out + 16), _mm512_permutex2var_ps(e, hi, d)));
+  }
+}
+
+KVDECODE_TARGET_AVX512 inline void q4_pv_avx512(float* o, const float* w, const std::uint8_t* codes,
+                                                std::size_t rows, std::size_t hs) {
+  for (std::size_t d0 = 0; d0 < hs; d0 += 64) {
+    if (hs - d0 > 32) {
+      q4_pv_chunk_avx512<2>(o, w, codes, rows, hs, d0);
+    } else {
+      q4_pv_chunk_avx512<1>(o, w, codes, rows, hs, d0);
+    }
+  }
+}
+
+/// w [rows] = p [rows] · step [rows].
+KVDECODE_TARGET_AVX512 inline void coded_weights_avx512(float* w, const float* p, const float* step,
+                                                        std::size_t rows) {
+  for (std::size_t r = 0; r < rows; r += 16) {
+    const __mmask16 m = coded_mask16(rows - r);
+    _mm512_mask_storeu_ps(
+        w + r, m,
+        _mm512_mul_ps(_mm512_maskz_loadu_ps(m, p + r), _mm512_maskz_loadu_ps(m, step + r)));
+  }
+}
+
+/// 16 f16 values (fewer under mask m) to f32.
+KVDECODE_TARGET_AVX512 inline __m512 load_f16_avx512(const std::uint16_t* x, __mmask16 m) {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, x));
+}
+
+/// qs [round_up(hs, 32)] = q ⊙ kstep in 4-bit halves (per 32 channels: the 16 even ones, then
+/// the 16 odd ones, past hs 0), returns q · kmin (ranges f16).
+KVDECODE_TARGET_AVX512 inline float q4_query_avx512(float* qs, const float* q,
+                                                    const std::uint16_t* kmin,
+                                                    const std::uint16_t* kstep, std::size_t hs) {
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  __m512 qm = _mm512_setzero_ps();
+  for (std::size_t c = 0; c < hs; c += 32) {
+    const __mmask16 m0 = coded_mask16(hs - c), m1 = coded_mask16(hs - c > 16 ? hs - c - 16 : 0);
+    const __m512 q0 = _mm512_maskz_loadu_ps(m0, q + c), q1 = _mm512_maskz_loadu_ps(m1, q + c + 16);
+    qm = _mm512_fmadd_ps(q0, load_f16_avx512(kmin + c, m0), qm);
+    qm = _mm512_fmadd_ps(q1, load_f16_avx512(kmin + c + 16, m1), qm);
+    const __m512 p0 = _mm512_maskz_mul_ps(m0, q0, load_f16_avx512(kstep + c, m0));
+    const __m512 p1 = _mm512_maskz_mul_ps(m1, q1, load_f16_avx512(kstep + c + 16, m1));
+    _mm512_storeu_ps(qs + c, _mm512_permutex2var_ps(p0, even, p1));
+    _mm512_storeu_ps(qs + c + 16, _mm512_permutex2var_ps(p0, odd, p1));
+  }
+  return _mm512_reduce_add_ps(qm);
+}
+
+/// w [rows] = p · vstep and returns Σ p · vmin (ranges f16).
+KVDECODE_TARGET_AVX512 inline float low_bit_weights_avx512(float* w, const float* p,
+                                                           const std::uint16_t* vmin,
+                                                           const std::uint16_t* vstep,
+                                                           std::size_t rows) {
+  __m512 bias = _mm512_setzero_ps();
+  for (std::size_t r = 0; r < rows; r += 16) {
+    const __mmask16 m = coded_mask16(rows - r);
+    const __m512 pr = _mm512_maskz_loadu_ps(m, p + r);
+    _mm512_mask_storeu_ps(w + r, m, _mm512_mul_ps(pr, load_f16_avx512(vstep + r, m)));
+    bias = _mm512_fmadd_ps(pr, load_f16_avx512(vmin + r, m), bias);
+  }
+  return _mm512_reduce_add_ps(bias);
+}
+
+KVDECODE_INTRINSICS_END
+#endif  // KVDECODE_X86_KERNELS
+
+/// Whether set ks has the kernels above (the others decode rows into scratch instead, where
+/// Eigen's or attention_products.hpp's products over f32 rows are faster than plain loops).
+constexpr bool coded_attention_kernels(KernelSet ks) {
+  return KVDECODE_X86_KERNELS && (ks == KernelSet::kAvx512 || ks == KernelSet::kAvx512Bf16);
+}
+
+/// s [rows] = (q [hs] · codes [rows][hs]) · kscale [rows] · scale, with set ks.
+inline void coded_scores_int8(KernelSet ks, float* s, const float* q, const std::int8_t* codes,
+                              const float* kscale, std::size_t rows, std::size_t hs, float scale) {
+#if KVDECODE_X86_KERNELS
+  if (coded_attention_kernels(ks))
+    return coded_scores_avx512(s, 0.0f, kscale, rows, scale, Int8RowDot{q, codes, hs});
+#endif
+  static_cast<void>(ks);
+  coded_scores_int8_portable(s, q, codes, kscale, rows, hs, scale);
+}
+
+/// o [hs] += Σ_r p [r] · vscale [r] · codes [r][hs], with set ks; w [rows] is scratch.
+inline void coded_pv_int8(KernelSet ks, float* o, const float* p, float* w,
+                          const std::int8_t* codes, const float* vscale, std::size_t rows,
+                          std::size_t hs) {
+#if KVDECODE_X86_KERNELS
+  if (coded_attention_kernels(ks)) {
+    coded_weights_avx512(w, p, vscale, rows);
+    return coded_pv_avx512<std::int8_t, 1>(o, w, codes, rows, hs, WidenInt8Avx512{});
+  }
+#endif
+  static_cast<void>(ks), static_cast<void>(w);
+  coded_pv_int8_portable(o, p, codes, vscale, rows, hs);
+}
+
+/// The query folded with a group's key ranges (f16) for coded_scores_low_bit with the same set
+/// and bits: qs [round_up(hs, 32)] = q ⊙ kstep (4-bit in the AVX-512 sets: in the halves their
+/// kernel reads), returns q · kmin.
+inline float low_bit_query(KernelSet ks, float* qs, const float* q, const std::uint16_t* kmin,
+                           const std::uint16_t* kstep, unsigned bits, std::size_t hs) {
+#if KVDECODE_X86_KERNELS
+  if (coded_attention_kernels(ks) && bits == 4) return q4_query_avx512(qs, q, kmin, kstep, hs);
+#endif
+  static_cast<void>(ks), static_cast<void>(bits);
+  return low_bit_query_portable(qs, q, kmin, kstep, hs);
+}
+
+/// s [rows] = (qm + qs · codes [rows][hs · bits / 8]) · scale, with set ks and qs, qm from
+/// low_bit_query.
+inline void coded_scores_low_bit(KernelSet ks, float* s, const float* qs, float qm,
+                                 const std::uint8_t* codes, unsigned bits, std::size_t rows,
+                                 std::size_t hs, float scale) {
+#if KVDECODE_X86_KERNELS
+  if (coded_attention_kernels(ks) && bits == 4)
+    return coded_scores_avx512(s, qm, nullptr, rows, scale, Q4RowDot{qs, codes, hs});
+#endif
+  static_cast<void>(ks);
+  coded_scores_low_bit_portable(s, qs, qm, codes, bits, rows, hs, scale);
+}
+
+/// o [hs] += Σ_r p [r] · (vmin [r] + vstep [r] · codes [r]) (ranges f16), with set ks; w
+/// [rows] is scratch.
+inline void coded_pv_low_bit(KernelSet ks, float* o, const float* p, float* w,
+                             const std::uint8_t* codes, unsigned bits, const std::uint16_t* vmin,
+                             const std::uint16_t* vstep, std::size_t rows, std::size_t hs) {
+#if KVDECODE_X86_KERNELS
+  if (coded_attention_kernels(ks) && bits == 4) {
+    const float bias = low_bit_weights_avx512(w, p, vmin, vstep, rows);
+    q4_pv_avx512(o, w, codes, rows, hs);
+    for (std::size_t c = 0; c < hs; ++c) o[c] += bias;
+    return;
+  }
+#endif
+  static_cast<void>(ks), static_cast<void>(w);
+  coded_pv_low_bit_portable(o, p, codes, bits, vmin, vstep, rows, hs);
+}
+
+}  // namespace kvdecode::detail

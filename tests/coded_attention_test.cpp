@@ -1,0 +1,383 @@
+// Attention on the quantized stores' codes (detail/coded_attention.hpp and the coded path of
+// model/attention.hpp) against attention written here in double over rows decoded from the
+// codes with the formats' formulas: the kernels one by one in every kernel set this CPU runs,
+// then whole attention over Int8Store, Q4Store (rotated or not, with and without an exact
+// residual) and Q2Store at head sizes 16, 48, 64 and 128 and sizes with a tail.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <type_traits>
+#include <vector>
+
+#include "kvdecode/kvdecode.hpp"
+#include "test_util.hpp"
+
+namespace kvdecode::testing_util {
+namespace {
+
+constexpr double kUnit = 0x1p-24;  // f32 unit roundoff
+
+/// The sets this CPU runs.
+std::vector<KernelSet> supported_sets() {
+  std::vector<KernelSet> out;
+  for (const KernelSet ks : kKernelSets)
+    if (cpu_supports(ks)) out.push_back(ks);
+  return out;
+}
+
+/// An f16 bit pattern's value: (-1)^s 2^(e-15) (1 + m/1024), or 2^-14 m/1024 when e = 0.
+double f16(std::uint16_t h) {
+  const int e = (h >> 10) & 0x1F, m = h & 0x3FF;
+  const double v = e == 0 ? std::ldexp(m, -24) : std::ldexp(1024 + m, e - 25);
+  return (h & 0x8000) != 0 ? -v : v;
+}
+
+/// A normal f16 pattern of magnitude in [2^-4, 2) and random sign (if `sign`).
+std::uint16_t random_f16(detail::SplitMix64& rng, bool sign) {
+  const auto e = static_cast<std::uint16_t>(11 + rng.next() % 5);
+  const auto m = static_cast<std::uint16_t>(rng.next() % 1024);
+  const auto s = static_cast<std::uint16_t>(sign && rng.next() % 2 == 1 ? 0x8000 : 0);
+  return static_cast<std::uint16_t>(s | (e << 10) | m);
+}
+
+float uniform(detail::SplitMix64& rng) {
+  return static_cast<float>(rng.next() % 20001) / 10000.0f - 1.0f;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The kernels, one block at a time. Bounds: a sum of k f32 products (in any order, fused or
+// not) errs by at most γ_k Σ|terms|, γ_k = k·u / (1 - k·u); each further f32 product or sum of
+// the formula adds one u. The bounds below take k + 6 units over the terms' absolute sum.
+// ---------------------------------------------------------------------------------------------
+
+struct Shape {
+  std::size_t hs, rows;
+};
+constexpr Shape kShapes[] = {{16, 1},  {16, 17},  {48, 64}, {48, 15}, {64, 16},
+                             {64, 70}, {128, 33}, {40, 9},  {24, 31}, {8, 3}};
+
+TEST(CodedAttentionTest, Int8KernelsMatchTheFormula) {
+  for (const KernelSet ks : supported_sets())
+    for (const Shape sh : kShapes) {
+      detail::SplitMix64 rng(sh.hs * 131 + sh.rows);
+      const std::size_t hs = sh.hs, rows = sh.rows;
+      std::vector<float> q(hs), ks_(rows), vs(rows), p(rows), w(rows);
+      std::vector<std::int8_t> kc(rows * hs), vc(rows * hs);  // [rows][hs]
+      for (float& x : q) x = uniform(rng);
+      for (std::size_t r = 0; r < rows; ++r) {
+        ks_[r] = std::abs(uniform(rng)) / 127;
+        vs[r] = std::abs(uniform(rng)) / 127;
+        p[r] = std::abs(uniform(rng));
+      }
+      for (auto& c : kc) c = static_cast<std::int8_t>(static_cast<int>(rng.next() % 255) - 127);
+      for (auto& c : vc) c = static_cast<std::int8_t>(static_cast<int>(rng.next() % 255) - 127);
+      const float scale = 0.3f;
+      std::vector<float> s(rows, -1.0f);
+      detail::coded_scores_int8(ks, s.data(), q.data(), kc.data(), ks_.data(), rows, hs, scale);
+      for (std::size_t r = 0; r < rows; ++r) {
+        double want = 0, mag = 0;
+        for (std::size_t c = 0; c < hs; ++c) {
+          want += double{q[c]} * kc[r * hs + c];
+          mag += std::abs(double{q[c]} * kc[r * hs + c]);
+        }
+        want *= double{ks_[r]} * scale;
+        mag *= double{ks_[r]} * scale;
+        ASSERT_NEAR(s[r], want, static_cast<double>(hs + 6) * kUnit * mag)
+            << kernel_set_name(ks) << " hs " << hs << " row " << r;
+      }
+      std::vector<float> o(hs);
+      for (float& x : o) x = uniform(rng);
+      const std::vector<float> o0 = o;
+      detail::coded_pv_int8(ks, o.data(), p.data(), w.data(), vc.data(), vs.data(), rows, hs);
+      for (std::size_t c = 0; c < hs; ++c) {
+        double want = o0[c], mag = std::abs(double{o0[c]});
+        for (std::size_t r = 0; r < rows; ++r) {
+          want += double{p[r]} * vs[r] * vc[r * hs + c];
+          mag += std::abs(double{p[r]} * vs[r] * vc[r * hs + c]);
+        }
+        ASSERT_NEAR(o[c], want, static_cast<double>(rows + 6) * kUnit * mag)
+            << kernel_set_name(ks) << " hs " << hs << " rows " << rows << " channel " << c;
+      }
+    }
+}
+
+TEST(CodedAttentionTest, LowBitKernelsMatchTheFormula) {
+  for (const unsigned bits : {4u, 2u})
+    for (const KernelSet ks : supported_sets())
+      for (const Shape sh : kShapes) {
+        detail::SplitMix64 rng(sh.hs * 17 + sh.rows + bits);
+        const std::size_t hs = sh.hs, rows = sh.rows, row_bytes = hs * bits / 8;
+        if (hs * bits % 8 != 0) continue;
+        std::vector<float> q(hs), qs((hs + 31) / 32 * 32), p(rows), w(rows);
+        std::vector<std::uint16_t> kmin(hs), kstep(hs), vmin(rows), vstep(rows);
+        std::vector<std::uint8_t> kc(rows * row_bytes), vc(rows * row_bytes);
+        for (float& x : q) x = uniform(rng);
+        for (std::size_t c = 0; c < hs; ++c) {
+          kmin[c] = random_f16(rng, true);
+          kstep[c] = random_f16(rng, false);
+        }
+        for (std::size_t r = 0; r < rows; ++r) {
+          vmin[r] = random_f16(rng, true);
+          vstep[r] = random_f16(rng, false);
+          p[r] = std::abs(uniform(rng));
+        }
+        for (auto& b : kc) b = static_cast<std::uint8_t>(rng.next());
+        for (auto& b : vc) b = static_cast<std::uint8_t>(rng.next());
+        // Channel c of a row: bits·(c mod 8/bits) of byte c / (8/bits).
+        const auto code = [&](const std::vector<std::uint8_t>& codes, std::size_t r,
+                              std::size_t c) {
+          const std::size_t per = 8 / bits;
+          return static_cast<double>((codes[r * row_bytes + c / per] >> (bits * (c % per))) &
+                                     ((1u << bits) - 1));
+        };
+        const float scale = 0.3f;
+        const float qm =
+            detail::low_bit_query(ks, qs.data(), q.data(), kmin.data(), kstep.data(), bits, hs);
+        std::vector<float> s(rows, -1.0f);
+        detail::coded_scores_low_bit(ks, s.data(), qs.data(), qm, kc.data(), bits, rows, hs, scale);
+        for (std::size_t r = 0; r < rows; ++r) {
+          double want = 0, mag = 0;
+          for (std::size_t c = 0; c < hs; ++c) {
+            const double k = f16(kmin[c]) + code(kc, r, c) * f16(kstep[c]);
+            want += double{q[c]} * k;
+            mag += std::abs(q[c] * f16(kmin[c])) + std::abs(q[c] * code(kc, r, c) * f16(kstep[c]));
+          }
+          ASSERT_NEAR(s[r], want * scale, static_cast<double>(2 * hs + 6) * kUnit * mag * scale)
+              << bits << " bits, " << kernel_set_name(ks) << " hs " << hs << " row " << r;
+        }
+        std::vector<float> o(hs);
+        for (float& x : o) x = uniform(rng);
+        const std::vector<float> o0 = o;
+        detail::coded_pv_low_bit(ks, o.data(), p.data(), w.data(), vc.data(), bits, vmin.data(),
+                                 vstep.data(), rows, hs);
+        for (std::size_t c = 0; c < hs; ++c) {
+          double want = o0[c], mag = std::abs(double{o0[c]});
+          for (std::size_t r = 0; r < rows; ++r) {
+            want += p[r] * (f16(vmin[r]) + code(vc, r, c) * f16(vstep[r]));
+            mag += std::abs(p[r] * f16(vmin[r])) + std::abs(p[r] * code(vc, r, c) * f16(vstep[r]));
+          }
+          ASSERT_NEAR(o[c], want, static_cast<double>(2 * rows + 6) * kUnit * mag)
+              << bits << " bits, " << kernel_set_name(ks) << " hs " << hs << " channel " << c;
+        }
+      }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Whole attention over a store: the rows decoded here from what for_each_coded_block hands,
+// softmax(q kᵀ / √hs) v in double, causal over the queries at cache indices [end - n, end).
+// ---------------------------------------------------------------------------------------------
+
+/// Every row of [0, end) of (layer, kv head) decoded in double: [end][hs] keys and values.
+template <class S>
+void decode_rows(const S& s, std::size_t l, std::size_t g, std::size_t end,
+                 std::vector<double>& keys, std::vector<double>& values) {
+  const std::size_t hs = s.head_size();
+  keys.assign(end * hs, 0.0);
+  values.assign(end * hs, 0.0);
+  s.for_each_coded_block(l, g, end, [&](const auto& b) {
+    using B = std::remove_cvref_t<decltype(b)>;
+    for (std::size_t r = 0; r < b.n; ++r) {
+      double* k = keys.data() + (b.first + r) * hs;
+      double* v = values.data() + (b.first + r) * hs;
+      if constexpr (std::is_same_v<B, Int8KvBlock>) {
+        for (std::size_t c = 0; c < hs; ++c) {
+          k[c] = static_cast<double>(b.keys[r * hs + c]) * b.key_scales[r];
+          v[c] = static_cast<double>(b.values[r * hs + c]) * b.value_scales[r];
+        }
+      } else if constexpr (std::is_same_v<B, LowBitKvBlock>) {
+        const std::size_t per = 8 / b.bits, row_bytes = hs / per;
+        const auto code = [&](const std::uint8_t* codes, std::size_t c) {
+          return static_cast<double>((codes[r * row_bytes + c / per] >> (b.bits * (c % per))) &
+                                     ((1u << b.bits) - 1));
+        };
+        std::vector<double> kr(hs), vr(hs);  // in rotated coordinates when rotated
+        for (std::size_t c = 0; c < hs; ++c) {
+          kr[c] = f16(b.key_min[c]) + code(b.keys, c) * f16(b.key_step[c]);
+          vr[c] = f16(b.value_min[r]) + code(b.values, c) * f16(b.value_step[r]);
+        }
+        for (std::size_t c = 0; c < hs; ++c) {
+          if (b.signs == nullptr) {
+            k[c] = kr[c];
+            v[c] = vr[c];
+            continue;
+          }
+          // x = D H y / √blk, H[c][j] = (-1)^popcount(c & j) within blocks of blk channels.
+          std::size_t blk = 1;
+          while (hs % (2 * blk) == 0) blk *= 2;
+          const std::size_t c0 = c / blk * blk;
+          for (std::size_t j = c0; j < c0 + blk; ++j) {
+            const double hcj = std::popcount((c - c0) & (j - c0)) % 2 == 0 ? 1.0 : -1.0;
+            k[c] += hcj * kr[j];
+            v[c] += hcj * vr[j];
+          }
+          k[c] *= b.signs[c] / std::sqrt(static_cast<double>(blk));
+          v[c] *= b.signs[c] / std::sqrt(static_cast<double>(blk));
+        }
+      } else {
+        for (std::size_t c = 0; c < hs; ++c) {
+          k[c] = b.keys[r * b.stride + c];
+          v[c] = b.values[r * b.stride + c];
+        }
+      }
+    }
+  });
+}
+
+/// Fills a store with `end` positions of random rows, `chunk` at a time.
+template <class S>
+void fill(const ModelConfig& cfg, S& s, std::size_t end, std::size_t chunk, std::uint64_t seed) {
+  detail::SplitMix64 rng(seed);
+  const auto kv_dim = static_cast<std::size_t>(cfg.kv_dim());
+  std::vector<float> k(kv_dim), v(kv_dim);
+  for (std::size_t done = 0; done < end;) {
+    const std::size_t m = std::min(chunk, end - done);
+    const std::vector<std::int32_t> tokens(m, 3);
+    s.begin_append(tokens);
+    for (std::size_t l = 0; l < s.n_layers(); ++l)
+      for (std::size_t i = 0; i < m; ++i) {
+        for (std::size_t c = 0; c < kv_dim; ++c) {
+          // Channel 3 of each head is an outlier, as real keys have (KIVI §3).
+          const float big = c % static_cast<std::size_t>(cfg.head_size()) == 3 ? 6.0f : 1.0f;
+          k[c] = big * uniform(rng);
+          v[c] = uniform(rng);
+        }
+        s.write(l, i, k.data(), v.data());
+      }
+    s.commit_append();
+    done += m;
+  }
+}
+
+/// attend_kv_head_coded with set ks, for n queries ending at cache index end - 1, against the
+/// double attention over decoded rows. The bound: a score errs by at most ε = (2·hs + 2·log2 hs
+/// + 12)·u·Σ|q k|/√hs (the sums of the kernel tests, the folded ranges and a rotation of the
+/// query); the probabilities then err relatively by at most e^{2ε} - 1 plus (end + 8)·u for exp
+/// and the running sums, and the output, a convex mix of value rows with its own sum of end
+/// products, by that times max|v| plus (end + 2·log2 hs + 8)·u·max|v|.
+template <class S>
+void expect_attention_matches(const char* what, const ModelConfig& cfg, const S& s, std::size_t end,
+                              std::size_t n, KernelSet ks) {
+  const auto dim = static_cast<std::size_t>(cfg.dim);
+  const auto hs = static_cast<std::size_t>(cfg.head_size());
+  const auto kv_mul = static_cast<std::size_t>(cfg.kv_mul());
+  detail::SplitMix64 rng(end * 7 + n);
+  std::vector<float> q(n * dim), out(n * dim, 123.0f);  // [n][dim]
+  for (float& x : q) x = uniform(rng);
+  AttentionScratch<float> scratch(cfg, n, s.block_scratch_size(), 1);
+  const double log_hs = std::log2(static_cast<double>(hs));
+  for (std::size_t l = 0; l < s.n_layers(); ++l) {
+    for (std::size_t g = 0; g < s.n_kv_heads(); ++g) {
+      detail::attend_kv_head_coded(cfg, s, l, g, end - n, n, q.data(), out.data(), scratch, 0, ks);
+      std::vector<double> keys, values;
+      decode_rows(s, l, g, end, keys, values);
+      double vmax = 0;
+      for (const double x : values) vmax = std::max(vmax, std::abs(x));
+      for (std::size_t j = 0; j < kv_mul; ++j) {
+        const std::size_t h = g * kv_mul + j;
+        for (std::size_t r = 0; r < n; ++r) {
+          const std::size_t visible = end - n + r + 1;
+          const float* qh = q.data() + r * dim + h * hs;
+          std::vector<double> score(visible);
+          double smax = -1e300, emax = 0;
+          for (std::size_t i = 0; i < visible; ++i) {
+            double dot = 0, mag = 0;
+            for (std::size_t c = 0; c < hs; ++c) {
+              dot += qh[c] * keys[i * hs + c];
+              mag += std::abs(qh[c] * keys[i * hs + c]);
+            }
+            score[i] = dot / std::sqrt(static_cast<double>(hs));
+            smax = std::max(smax, score[i]);
+            emax = std::max(emax, (2 * static_cast<double>(hs) + 2 * log_hs + 12) * kUnit * mag /
+                                      std::sqrt(static_cast<double>(hs)));
+          }
+          double sum = 0;
+          for (double& x : score) sum += (x = std::exp(x - smax));
+          const double rel = std::expm1(2 * emax) + static_cast<double>(visible + 8) * kUnit;
+          const double bound =
+              (rel + (static_cast<double>(visible) + 2 * log_hs + 8) * kUnit) * vmax;
+          for (std::size_t c = 0; c < hs; ++c) {
+            double want = 0;
+            for (std::size_t i = 0; i < visible; ++i) want += score[i] * values[i * hs + c];
+            want /= sum;
+            ASSERT_NEAR(out[r * dim + h * hs + c], want, bound)
+                << what << " (" << kernel_set_name(ks) << ") layer " << l << " head " << h
+                << " query " << r << " channel " << c << " of " << end << " positions";
+          }
+        }
+      }
+    }
+  }
+}
+
+/// A config of head size hs with 4 query heads on 2 kv heads, 1 layer.
+ModelConfig config_of(std::size_t hs, std::size_t seq_len) {
+  return test_config({.dim = static_cast<std::int64_t>(4 * hs),
+                      .hidden_dim = 32,
+                      .n_layers = 1,
+                      .n_heads = 4,
+                      .n_kv_heads = 2,
+                      .vocab_size = 11,
+                      .seq_len = static_cast<std::int64_t>(seq_len)});
+}
+
+TEST(CodedAttentionTest, Int8AttentionMatchesDoubleOverDecodedRows) {
+  for (const std::size_t hs : {16u, 48u, 64u, 128u, 40u})
+    for (const std::size_t end : {1u, 63u, 64u, 130u, 300u}) {
+      const ModelConfig cfg = config_of(hs, 320);
+      Int8Store<float> s(cfg);
+      fill(cfg, s, end, 37, hs + end);
+      for (const KernelSet ks : supported_sets())
+        for (const std::size_t n : {1u, 3u})
+          if (n <= end) expect_attention_matches("int8", cfg, s, end, n, ks);
+    }
+}
+
+TEST(CodedAttentionTest, LowBitAttentionMatchesDoubleOverDecodedRows) {
+  struct Case {
+    std::size_t group, residual;
+    bool rotate;
+  };
+  for (const std::size_t hs : {16u, 48u, 64u, 128u, 40u})
+    for (const Case cs :
+         {Case{64, 128, false}, Case{32, 0, false}, Case{16, 32, true}, Case{300, 0, false}})
+      for (const std::size_t end : {1u, 100u, 300u, 301u}) {
+        const ModelConfig cfg = config_of(hs, 320);
+        Q4Store<float> q4(cfg, 0, cs.group, cs.residual, cs.rotate);
+        fill(cfg, q4, end, 37, hs + end);
+        Q2Store<float> q2(cfg, 0, cs.group, cs.residual, cs.rotate);
+        fill(cfg, q2, end, 37, hs + end + 1);
+        for (const KernelSet ks : supported_sets())
+          for (const std::size_t n : {1u, 3u}) {
+            if (n > end) continue;
+            expect_attention_matches("q4", cfg, q4, end, n, ks);
+            expect_attention_matches("q2", cfg, q2, end, n, ks);
+          }
+      }
+}
+
+// The step attend() takes for a decode query over a coded store is the one tested above: its
+// output equals attend_kv_head_coded's with the active set, bit for bit.
+TEST(CodedAttentionTest, AttendTakesTheCodedPathForFewQueries) {
+  const ModelConfig cfg = config_of(48, 320);
+  Int8Store<float> s(cfg);
+  fill(cfg, s, 200, 50, 5);
+  const auto dim = static_cast<std::size_t>(cfg.dim);
+  detail::SplitMix64 rng(9);
+  std::vector<float> q(dim), a(dim), b(dim);
+  for (float& x : q) x = uniform(rng);
+  AttentionScratch<float> scratch(cfg, 1, s.block_scratch_size(), 1);
+  attend(cfg, s, 0, 199, 1, q.data(), a.data(), scratch);
+  const KernelSet ks = active_kernel_set();
+  if (!detail::coded_attention_kernels(ks)) GTEST_SKIP() << "no coded kernels in this set";
+  for (std::size_t g = 0; g < s.n_kv_heads(); ++g)
+    detail::attend_kv_head_coded(cfg, s, 0, g, 199, 1, q.data(), b.data(), scratch, 0, ks);
+  EXPECT_EQ(a, b);
+}
+
+}  // namespace
+}  // namespace kvdecode::testing_util
