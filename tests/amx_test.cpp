@@ -72,32 +72,39 @@ TEST(AmxGemmTest, MatchesDoubleProductOfRoundedInputsOverEveryTail) {
             ASSERT_EQ(static_cast<double>(static_cast<float>(a[i * lda + c])),
                       c < in ? rounded(xf[i * in + c]) : 0.0)
                 << "packed x, token " << i << " column " << c;
-        const std::size_t slices[][2] = {
-            {0, out}, {std::min<std::size_t>(1, out), out}, {out / 3, out - out / 4}};
-        for (const auto& s : slices) {
-          const std::size_t c0 = s[0], c1 = s[1];
-          std::vector<float> y(n * out, std::numeric_limits<float>::quiet_NaN());
-          detail::gemm_amx(y.data(), a.data(), w.data(), n, in, out, c0, c1, panel.data());
-          for (std::size_t i = 0; i < n; ++i)
-            for (std::size_t o = 0; o < out; ++o) {
-              const float got = y[i * out + o];
-              if (o < c0 || o >= c1) {
-                ASSERT_TRUE(std::isnan(got)) << "column " << o << " outside [" << c0 << ", " << c1
-                                             << ") written, n " << n << " in " << in;
-                continue;
+        std::vector<bf16> packed(detail::amx_packed_size(out, in));
+        detail::pack_weights_amx(packed.data(), w.data(), out, in);
+        const std::size_t slices[][2] = {{0, out},
+                                         {std::min<std::size_t>(1, out), out},
+                                         {std::min<std::size_t>(16, out), out},
+                                         {out / 3, out - out / 4}};
+        for (const bool prepacked : {false, true})
+          for (const auto& s : slices) {
+            const std::size_t c0 = s[0], c1 = s[1];
+            if (prepacked && c0 % 16 != 0) continue;  // packed panels start at blocks of 16
+            std::vector<float> y(n * out, std::numeric_limits<float>::quiet_NaN());
+            detail::gemm_amx(y.data(), a.data(), w.data(), n, in, out, c0, c1, panel.data(),
+                             prepacked ? packed.data() : nullptr);
+            for (std::size_t i = 0; i < n; ++i)
+              for (std::size_t o = 0; o < out; ++o) {
+                const float got = y[i * out + o];
+                if (o < c0 || o >= c1) {
+                  ASSERT_TRUE(std::isnan(got)) << "column " << o << " outside [" << c0 << ", " << c1
+                                               << ") written, n " << n << " in " << in;
+                  continue;
+                }
+                double ref = 0, mag = 0;
+                for (std::size_t c = 0; c < in; ++c) {
+                  const double p = static_cast<double>(static_cast<float>(w[o * in + c])) *
+                                   rounded(xf[i * in + c]);
+                  ref += p;
+                  mag += std::abs(p);
+                }
+                ASSERT_LE(std::abs(got - ref), static_cast<double>(in + 1) * 0x1p-24 * mag)
+                    << "n " << n << " in " << in << " out " << out << " slice [" << c0 << ", " << c1
+                    << ") token " << i << " output " << o << (prepacked ? ", prepacked" : "");
               }
-              double ref = 0, mag = 0;
-              for (std::size_t c = 0; c < in; ++c) {
-                const double p = static_cast<double>(static_cast<float>(w[o * in + c])) *
-                                 rounded(xf[i * in + c]);
-                ref += p;
-                mag += std::abs(p);
-              }
-              ASSERT_LE(std::abs(got - ref), static_cast<double>(in + 1) * 0x1p-24 * mag)
-                  << "n " << n << " in " << in << " out " << out << " slice [" << c0 << ", " << c1
-                  << ") token " << i << " output " << o;
-            }
-        }
+          }
       }
 }
 

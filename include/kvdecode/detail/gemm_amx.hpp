@@ -120,9 +120,10 @@ KVDECODE_TARGET_AMX inline void transpose_16x16_epi32(__m512i r[16]) {
   }
 }
 
-/// panel [amx_lda(in) / 32][2][16][16][2] = w [cols][in] re-laid for B tiles: for each depth
-/// block of 32 and each half of the 32 outputs, row p holds (w[j][2p], w[j][2p + 1]) for the
-/// half's 16 outputs j. Outputs past cols and depths past in are zero.
+/// panel [2][amx_lda(in) / 32][16][16][2] = w [cols][in] re-laid for B tiles: for each half of
+/// the 32 outputs and each depth block of 32, row p holds (w[j][2p], w[j][2p + 1]) for the half's
+/// 16 outputs j. Outputs past cols and depths past in are zero. (Each half is one block of 16
+/// outputs × amx_lda(in), so consecutive panels lay out a whole matrix: pack_weights_amx.)
 KVDECODE_TARGET_AMX inline void pack_panel_amx_avx512(bf16* panel, const bf16* w, std::size_t cols,
                                                       std::size_t in) {
   const std::size_t blocks = amx_lda(in) / kAmxDepth;
@@ -137,17 +138,18 @@ KVDECODE_TARGET_AMX inline void pack_panel_amx_avx512(bf16* panel, const bf16* w
         r[i] = j < cols ? _mm512_maskz_loadu_epi16(m, w + j * in + k0) : _mm512_setzero_si512();
       }
       transpose_16x16_epi32(r);
-      bf16* dst = panel + (kb * 2 + half) * 512;
+      bf16* dst = panel + half * 16 * amx_lda(in) + kb * 512;
       for (std::size_t p = 0; p < 16; ++p) _mm512_storeu_si512(dst + p * 32, r[p]);
     }
 }
 
-/// C tiles over the panel for tokens [0, m0) (and [16, 16 + m1) when kTwo), y [m0 (+16)][out]
-/// columns [0, cols) stored; the tiles are configured for m0 and m1 rows.
+/// C tiles over a panel (b0, b1: its two halves) for tokens [0, m0) (and [16, 16 + m1) when
+/// kTwo), y [m0 (+16)][out] columns [0, cols) stored; the tiles are configured for m0 and m1
+/// rows.
 template <bool kTwo>
 KVDECODE_TARGET_AMX inline void amx_block(float* y, std::size_t out, const bf16* a, std::size_t lda,
-                                          const bf16* panel, std::size_t m0, std::size_t m1,
-                                          std::size_t cols) {
+                                          const bf16* b0, const bf16* b1, std::size_t m0,
+                                          std::size_t m1, std::size_t cols) {
   const auto a_stride = static_cast<long>(lda * sizeof(bf16));
   _tile_zero(0);
   _tile_zero(1);
@@ -156,10 +158,9 @@ KVDECODE_TARGET_AMX inline void amx_block(float* y, std::size_t out, const bf16*
     _tile_zero(3);
   }
   for (std::size_t k = 0; k < lda; k += kAmxDepth) {
-    const bf16* b = panel + k / kAmxDepth * 1024;
     _tile_loadd(4, a + k, a_stride);
-    _tile_loadd(6, b, 64);
-    _tile_loadd(7, b + 512, 64);
+    _tile_loadd(6, b0 + k * 16, 64);
+    _tile_loadd(7, b1 + k * 16, 64);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 4, 7);
     if constexpr (kTwo) {
@@ -200,10 +201,13 @@ KVDECODE_TARGET_AMX inline void amx_block(float* y, std::size_t out, const bf16*
 }
 
 /// y [n][out] columns [c0, c1) = a [n][amx_lda(in)] · w [c0..c1)[in]ᵀ on this thread's tiles,
-/// configured here and released at the end; panel holds kAmxPanelRows × amx_lda(in) bf16.
+/// configured here and released at the end. Each panel of 32 weight rows is re-laid into panel
+/// (kAmxPanelRows × amx_lda(in) bf16), unless `packed` holds the whole matrix re-laid already
+/// (pack_weights_amx; c0 a multiple of 16).
 KVDECODE_TARGET_AMX inline void gemm_amx_tiles(float* y, const bf16* a, const bf16* w,
                                                std::size_t n, std::size_t in, std::size_t out,
-                                               std::size_t c0, std::size_t c1, bf16* panel) {
+                                               std::size_t c0, std::size_t c1, bf16* panel,
+                                               const bf16* packed) {
   const std::size_t lda = amx_lda(in);
   const std::size_t whole = n / 32 * 32;  // tokens run as two full 16-row tiles
   const std::size_t rest = n - whole;
@@ -212,26 +216,37 @@ KVDECODE_TARGET_AMX inline void gemm_amx_tiles(float* y, const bf16* a, const bf
   const AmxTileConfig* loaded = nullptr;  // the configuration in the tiles now
   for (std::size_t b = c0; b < c1; b += kAmxPanelRows) {
     const std::size_t cols = std::min(kAmxPanelRows, c1 - b);
-    pack_panel_amx_avx512(panel, w + b * in, cols, in);
+    const bf16* b0 = packed == nullptr ? panel : packed + b / 16 * 16 * lda;
+    if (packed == nullptr) pack_panel_amx_avx512(panel, w + b * in, cols, in);
+    const bf16* b1 = b0 + 16 * lda;
     amx_memory_barrier();
     if (whole > 0 && loaded != &body) {  // (a lambda would not inherit the target attribute)
       _tile_loadconfig(&body);
       loaded = &body;
     }
     for (std::size_t t = 0; t < whole; t += 32)
-      amx_block<true>(y + t * out + b, out, a + t * lda, lda, panel, 16, 16, cols);
+      amx_block<true>(y + t * out + b, out, a + t * lda, lda, b0, b1, 16, 16, cols);
     if (rest > 0) {
       if (loaded != &tail) {
         _tile_loadconfig(&tail);
         loaded = &tail;
       }
+      const std::size_t t = whole;
       if (rest > 16)
-        amx_block<true>(y + whole * out + b, out, a + whole * lda, lda, panel, 16, rest - 16, cols);
+        amx_block<true>(y + t * out + b, out, a + t * lda, lda, b0, b1, 16, rest - 16, cols);
       else
-        amx_block<false>(y + whole * out + b, out, a + whole * lda, lda, panel, rest, 0, cols);
+        amx_block<false>(y + t * out + b, out, a + t * lda, lda, b0, b1, rest, 0, cols);
     }
   }
   if (loaded != nullptr) _tile_release();
+}
+
+/// packed [amx_packed_size(out, in)] = w [out][in] re-laid as consecutive panels.
+KVDECODE_TARGET_AMX inline void pack_weights_amx_avx512(bf16* packed, const bf16* w,
+                                                        std::size_t out, std::size_t in) {
+  for (std::size_t b = 0; b < out; b += kAmxPanelRows)
+    pack_panel_amx_avx512(packed + b * amx_lda(in), w + b * in, std::min(kAmxPanelRows, out - b),
+                          in);
 }
 
 KVDECODE_INTRINSICS_END
@@ -246,16 +261,35 @@ inline void pack_x_amx(bf16* a, const float* x, std::size_t n, std::size_t in) {
 #endif
 }
 
-/// y [n][out] columns [c0, c1) = a · w [c0..c1)[in]ᵀ with a from pack_x_amx (amx_applies must
-/// hold), on this thread's panel of kAmxPanelRows × amx_lda(in) bf16.
-inline void gemm_amx(float* y, const bf16* a, const bf16* w, std::size_t n, std::size_t in,
-                     std::size_t out, std::size_t c0, std::size_t c1, bf16* panel) {
+/// Elements of w [out][in] re-laid whole (pack_weights_amx): 32-row panels, plus a zero block of
+/// 16 so that a panel may start at the last block.
+constexpr std::size_t amx_packed_size(std::size_t out, std::size_t in) {
+  return ((out + 31) / 32 * 32 + 16) * amx_lda(in);
+}
+
+/// packed [amx_packed_size(out, in)] = w [out][in] re-laid for the B tiles once (amx_applies
+/// must hold), for gemm_amx's `packed`.
+inline void pack_weights_amx(bf16* packed, const bf16* w, std::size_t out, std::size_t in) {
 #if KVDECODE_X86_KERNELS
-  gemm_amx_tiles(y, a, w, n, in, out, c0, c1, panel);
+  std::fill(packed, packed + amx_packed_size(out, in), bf16());
+  pack_weights_amx_avx512(packed, w, out, in);
+#else
+  static_cast<void>(packed), static_cast<void>(w), static_cast<void>(out), static_cast<void>(in);
+#endif
+}
+
+/// y [n][out] columns [c0, c1) = a · w [c0..c1)[in]ᵀ with a from pack_x_amx (amx_applies must
+/// hold), re-laying each panel of w on this thread's panel of kAmxPanelRows × amx_lda(in) bf16,
+/// or reading w re-laid already from `packed` (pack_weights_amx) when given.
+inline void gemm_amx(float* y, const bf16* a, const bf16* w, std::size_t n, std::size_t in,
+                     std::size_t out, std::size_t c0, std::size_t c1, bf16* panel,
+                     const bf16* packed = nullptr) {
+#if KVDECODE_X86_KERNELS
+  gemm_amx_tiles(y, a, w, n, in, out, c0, c1, panel, packed);
 #else
   static_cast<void>(y), static_cast<void>(a), static_cast<void>(w), static_cast<void>(n);
   static_cast<void>(in), static_cast<void>(out), static_cast<void>(c0), static_cast<void>(c1);
-  static_cast<void>(panel);
+  static_cast<void>(panel), static_cast<void>(packed);
 #endif
 }
 
