@@ -125,9 +125,7 @@ void linear_group_values(std::initializer_list<Projection<T, W>> ps, const T* x,
                    });
     return;
   }
-  const bool few = has_gemm_few<T, W>(ks) && n <= kMaxFewTokens;
-  const bool amx = !few && n > 1 && amx_applies<T, W>(ks, in);
-  const bool packed = !few && has_gemm_packed<T, W>(ks) && !eigen_gemm_as_wide(ks);
+  const bool amx = n > kMaxFewTokens && amx_applies<T, W>(ks, in);
   const T* xg = x;     // the GEMMs' input
   bf16* xa = nullptr;  // [n][amx_lda(in)] x rounded for the AMX tiles, in x_rounded's place
   if constexpr (!std::is_same_v<T, W>) {
@@ -139,6 +137,8 @@ void linear_group_values(std::initializer_list<Projection<T, W>> ps, const T* x,
       xg = scratch.x_rounded;
     }
   }
+  const bool few = has_gemm_few<T, W>(ks) && n <= kMaxFewTokens;
+  const bool packed = !few && has_gemm_packed<T, W>(ks) && !eigen_gemm_as_wide(ks);
   parallel_run(threads, [&](std::size_t t, std::size_t nt) {
     for (const Projection<T, W>& p : ps) {
       const auto [r0, r1] = ThreadPool::share(p.out, nt, t, 16);
