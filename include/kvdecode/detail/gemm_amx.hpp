@@ -69,29 +69,31 @@ inline AmxTileConfig amx_config(std::size_t m0, std::size_t m1) {
   return c;
 }
 
-/// 16 f32 rounded to bf16 as bf16.hpp rounds (nearest-even; NaN kept quiet).
-KVDECODE_TARGET_AMX inline __m256i round_to_bf16_avx512(__m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i bias = _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF));
-  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
-  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)),
-                                                _mm512_set1_epi32(0x7F800000));
-  const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-  return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, quiet));
-}
-
-/// a [n][amx_lda(in)] = x [n][in] rounded to bf16, columns past in zero.
+/// a [n][amx_lda(in)] = x [n][in] rounded to bf16, columns past in zero. VCVTNE2PS2BF16 rounds
+/// to nearest-even as bf16.hpp does, except that it flushes subnormal inputs to zero, which
+/// TDPBF16PS does to subnormal bf16 inputs anyway: the products are the same.
 KVDECODE_TARGET_AMX inline void pack_x_amx_avx512(bf16* a, const float* x, std::size_t n,
                                                   std::size_t in) {
   const std::size_t lda = amx_lda(in);
-  for (std::size_t t = 0; t < n; ++t)
-    for (std::size_t c = 0; c < lda; c += 16) {
-      const std::size_t left = c < in ? std::min<std::size_t>(16, in - c) : 0;
-      const auto m = static_cast<__mmask16>(left == 16 ? 0xFFFFu : (1u << left) - 1u);
-      const __m512 v = _mm512_maskz_loadu_ps(m, x + t * in + c);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(a + t * lda + c), round_to_bf16_avx512(v));
+  const auto mask = [in](std::size_t c) {  // lanes of x's columns [c, c + 16) inside the row
+    const std::size_t left = c < in ? std::min<std::size_t>(16, in - c) : 0;
+    return static_cast<__mmask16>(left == 16 ? 0xFFFFu : (1u << left) - 1u);
+  };
+  for (std::size_t t = 0; t < n; ++t) {
+    const float* row = x + t * in;
+    std::size_t c = 0;
+    for (; c + 32 <= in; c += 32) {
+      const __m512bh v =
+          _mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + c + 16), _mm512_loadu_ps(row + c));
+      _mm512_storeu_si512(a + t * lda + c, reinterpret_cast<const __m512i&>(v));
     }
+    if (c < lda) {
+      const __m512 lo = _mm512_maskz_loadu_ps(mask(c), row + c);
+      const __m512 hi = _mm512_maskz_loadu_ps(mask(c + 16), row + c + 16);
+      const __m512bh v = _mm512_cvtne2ps_pbh(hi, lo);
+      _mm512_storeu_si512(a + t * lda + c, reinterpret_cast<const __m512i&>(v));
+    }
+  }
 }
 
 /// r [16] rows of 16 32-bit lanes, transposed in place (lane j of row i ↔ lane i of row j).
