@@ -9,6 +9,9 @@
 //   |y − exact| ≤ Σ_b (dx_b / 2)·Σ_j |ŵ_j|   (activation rounding)
 //               + γ_{nb+2}·Σ_b |dw_b·dx_b·Σ_j qw_j·qx_j|   (f32: one product, nb sums; Higham §3.1)
 // with γ_k = k·2^-24 / (1 − k·2^-24); the test adds 1 % to γ and nothing else.
+// The tiled prefill kernel (detail/qgemm.hpp) sums each of a block's 8 lane pieces through a
+// scale product, an FMA into one of 16 lanes (⌈nb/2⌉ blocks per lane) and a 16-lane reduction
+// (4 levels): k = max(nb + 2, ⌈nb/2⌉ + 6) covers both orders.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -26,6 +29,7 @@
 #include <vector>
 
 #include "kvdecode/detail/linear.hpp"
+#include "kvdecode/detail/qgemm.hpp"
 #include "kvdecode/detail/qgemv.hpp"
 #include "kvdecode/io/checkpoint.hpp"
 #include "kvdecode/kvdecode.hpp"
@@ -194,7 +198,7 @@ class QuantKernelTest : public ::testing::TestWithParam<KernelSet> {
 /// the bound at the top of this file; returns the outputs of the whole call for cross-checks.
 template <class B>
 void check_kernel(KernelSet ks, std::size_t rows, std::size_t cols, std::size_t n,
-                  std::uint64_t seed) {
+                  std::uint64_t seed, bool tiled = false) {
   const std::size_t nb = cols / kWeightBlock;
   const auto wf = random_floats(rows * cols, seed, 0.2);
   std::vector<B> w(rows * nb);
@@ -213,8 +217,17 @@ void check_kernel(KernelSet ks, std::size_t rows, std::size_t cols, std::size_t 
     ASSERT_EQ(xo[g], -8 * (xc[4 * g] + xc[4 * g + 1] + xc[4 * g + 2] + xc[4 * g + 3])) << g;
 
   std::vector<float> y(n * rows, -1.0f);
-  detail::qgemm_rows(ks, y.data(), w.data(), xc.data(), xs.data(), xo.data(), n, cols, rows, 0,
-                     rows);
+  if (tiled) {
+    // Two row ranges, as two threads split them.
+    const std::size_t mid = rows / 2;
+    detail::qgemm_tiled(ks, y.data(), w.data(), xc.data(), xs.data(), xo.data(), n, cols, rows, 0,
+                        mid);
+    detail::qgemm_tiled(ks, y.data(), w.data(), xc.data(), xs.data(), xo.data(), n, cols, rows, mid,
+                        rows);
+  } else {
+    detail::qgemm_rows(ks, y.data(), w.data(), xc.data(), xs.data(), xo.data(), n, cols, rows, 0,
+                       rows);
+  }
   std::vector<float> y1(rows);
   for (std::size_t t = 0; t < n; ++t) {
     // The same token alone, in two row ranges: bit for bit the batched output.
@@ -225,7 +238,9 @@ void check_kernel(KernelSet ks, std::size_t rows, std::size_t cols, std::size_t 
     detail::qgemm_rows(ks, y1.data(), w.data(), xc.data() + t * cols, xs.data() + t * nb, xot, 1,
                        cols, rows, mid, rows);
     for (std::size_t r = 0; r < rows; ++r) {
-      ASSERT_EQ(std::memcmp(&y1[r], &y[t * rows + r], sizeof(float)), 0) << "token " << t;
+      if (!tiled) {
+        ASSERT_EQ(std::memcmp(&y1[r], &y[t * rows + r], sizeof(float)), 0) << "token " << t;
+      }
       double exact = 0;
       double act = 0;
       double mag = 0;
@@ -239,7 +254,8 @@ void check_kernel(KernelSet ks, std::size_t rows, std::size_t cols, std::size_t 
         }
         mag += std::abs(block);
       }
-      const double k = static_cast<double>(nb + 2) * 0x1p-24;
+      const double k =
+          static_cast<double>(tiled ? std::max(nb + 2, (nb + 1) / 2 + 6) : nb + 2) * 0x1p-24;
       const double bound = act + 1.01 * k / (1 - k) * mag;
       EXPECT_LE(std::abs(y[t * rows + r] - exact), bound)
           << kernel_set_name(ks) << " " << block_format_name<B>() << " rows " << rows << " cols "
@@ -260,6 +276,17 @@ TEST_P(QuantKernelTest, Q4MatchesDequantizedWithinBound) {
     for (const std::size_t cols : {32, 64, 96, 288, 800})
       for (const std::size_t n : {1, 2, 5})
         check_kernel<Q4_0>(ks(), rows, cols, n, rows * cols + n);
+}
+
+// The tiled prefill kernel: every tail of rows (not a multiple of 4), tokens (not a multiple of 4)
+// and blocks (an odd count), and token chunks (2048 columns: 8 tokens per chunk).
+TEST_P(QuantKernelTest, TiledMatchesDequantizedWithinBound) {
+  for (const std::size_t rows : {1, 4, 7, 17})
+    for (const std::size_t cols : {32, 64, 96, 288, 2048})
+      for (const std::size_t n : {1, 4, 6, 21}) {
+        check_kernel<Q8_0>(ks(), rows, cols, n, rows * cols + n, true);
+        check_kernel<Q4_0>(ks(), rows, cols, n, rows * cols + n + 1, true);
+      }
 }
 
 // Extreme codes: q8 weights of −128 (a stored file may hold them) and 127 against inputs of

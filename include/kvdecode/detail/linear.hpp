@@ -15,6 +15,7 @@
 #include "kvdecode/detail/gemm_amx.hpp"
 #include "kvdecode/detail/gemm_packed.hpp"
 #include "kvdecode/detail/gemv.hpp"
+#include "kvdecode/detail/qgemm.hpp"
 #include "kvdecode/detail/qgemv.hpp"
 #include "kvdecode/thread_pool.hpp"
 
@@ -72,7 +73,9 @@ void run_row_chunks(ThreadPool& threads, std::initializer_list<Projection<T, W>>
 
 /// Block-format weights (W = Q8_0, Q4_0): x is quantized once into the scratch for every
 /// projection and thread (qgemv.hpp); then run_row_chunks for one token, or for several tokens a
-/// static split of rows, every thread running all n tokens over its rows (qgemm_rows).
+/// static split of rows, every thread running all n tokens over its rows: up to kMaxFewTokens
+/// (a batched decode step) with the GEMV's sums (qgemm_rows), more in register tiles
+/// (qgemm_tiled).
 template <class T, class W>
 void linear_group_blocks(std::initializer_list<Projection<T, W>> ps, const T* x, std::size_t n,
                          std::size_t in, ThreadPool* pool, const LinearScratch<T>& scratch,
@@ -96,7 +99,11 @@ void linear_group_blocks(std::initializer_list<Projection<T, W>> ps, const T* x,
   parallel_run(threads, [&](std::size_t t, std::size_t nt) {
     for (const Projection<T, W>& p : ps) {
       const auto [r0, r1] = ThreadPool::share(p.out, nt, t, 16);
-      if (r1 > r0) qgemm_rows(ks, p.y, p.w, xc, xs, xo, n, in, p.out, r0, r1);
+      if (r1 <= r0) continue;
+      if (n > kMaxFewTokens)
+        qgemm_tiled(ks, p.y, p.w, xc, xs, xo, n, in, p.out, r0, r1);
+      else
+        qgemm_rows(ks, p.y, p.w, xc, xs, xo, n, in, p.out, r0, r1);
     }
   });
 }
