@@ -29,6 +29,13 @@
 #define KVDECODE_X86_KERNELS 0
 #endif
 
+// AMX tiles exist in 64-bit mode only (GCC declares their intrinsics for x86-64 alone).
+#if KVDECODE_X86_KERNELS && defined(__x86_64__)
+#define KVDECODE_AMX_KERNELS 1
+#else
+#define KVDECODE_AMX_KERNELS 0
+#endif
+
 // GCC 12 reports its own intrinsics' deliberately undefined vectors (_mm512_undefined_*) as
 // uninitialized wherever they are inlined; the kernels are bracketed by these to silence it.
 #if defined(__clang__)
@@ -177,7 +184,7 @@ namespace detail {
 /// data state (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA, feature 18), which the kernel
 /// grants to the whole process. Anything missing or refused is false, not an error.
 inline bool probe_amx_bf16() {
-#if KVDECODE_X86_KERNELS && defined(__linux__) && defined(SYS_arch_prctl)
+#if KVDECODE_AMX_KERNELS && defined(__linux__) && defined(SYS_arch_prctl)
   unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
   if (__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) == 0) return false;
   if ((edx & (1u << 24)) == 0 || (edx & (1u << 22)) == 0) return false;

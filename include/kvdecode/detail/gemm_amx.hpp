@@ -34,11 +34,11 @@ constexpr std::size_t amx_lda(std::size_t in) {
 /// 32 × amx_lda(in) bf16 in a thread's kPanelRows × in floats).
 template <class T, class W>
 bool amx_applies(KernelSet ks, std::size_t in) {
-  return KVDECODE_X86_KERNELS && std::is_same_v<T, float> && std::is_same_v<W, bf16> &&
+  return KVDECODE_AMX_KERNELS && std::is_same_v<T, float> && std::is_same_v<W, bf16> &&
          ks == KernelSet::kAvx512Bf16 && in >= 16 && amx_enabled();
 }
 
-#if KVDECODE_X86_KERNELS
+#if KVDECODE_AMX_KERNELS
 KVDECODE_INTRINSICS_BEGIN
 
 /// GCC's tile loads are asm statements that do not name the memory they read: the packed panel
@@ -252,11 +252,11 @@ KVDECODE_TARGET_AMX inline void pack_weights_amx_avx512(bf16* packed, const bf16
 }
 
 KVDECODE_INTRINSICS_END
-#endif  // KVDECODE_X86_KERNELS
+#endif  // KVDECODE_AMX_KERNELS
 
 /// Rounds x [n][in] to bf16 into a [n][amx_lda(in)] (amx_applies must hold: the AVX-512 kernel).
 inline void pack_x_amx(bf16* a, const float* x, std::size_t n, std::size_t in) {
-#if KVDECODE_X86_KERNELS
+#if KVDECODE_AMX_KERNELS
   pack_x_amx_avx512(a, x, n, in);
 #else
   static_cast<void>(a), static_cast<void>(x), static_cast<void>(n), static_cast<void>(in);
@@ -272,7 +272,7 @@ constexpr std::size_t amx_packed_size(std::size_t out, std::size_t in) {
 /// packed [amx_packed_size(out, in)] = w [out][in] re-laid for the B tiles once (amx_applies
 /// must hold), for gemm_amx's `packed`.
 inline void pack_weights_amx(bf16* packed, const bf16* w, std::size_t out, std::size_t in) {
-#if KVDECODE_X86_KERNELS
+#if KVDECODE_AMX_KERNELS
   std::fill(packed, packed + amx_packed_size(out, in), bf16());
   pack_weights_amx_avx512(packed, w, out, in);
 #else
@@ -286,7 +286,7 @@ inline void pack_weights_amx(bf16* packed, const bf16* w, std::size_t out, std::
 inline void gemm_amx(float* y, const bf16* a, const bf16* w, std::size_t n, std::size_t in,
                      std::size_t out, std::size_t c0, std::size_t c1, bf16* panel,
                      const bf16* packed = nullptr) {
-#if KVDECODE_X86_KERNELS
+#if KVDECODE_AMX_KERNELS
   gemm_amx_tiles(y, a, w, n, in, out, c0, c1, panel, packed);
 #else
   static_cast<void>(y), static_cast<void>(a), static_cast<void>(w), static_cast<void>(n);
