@@ -1,9 +1,10 @@
 // The projection kernels alone, each beside its baseline: the GEMV of every kernel set this CPU
 // runs against Eigen's (f32) and the portable loop (bf16), on the 110M classifier's shape
 // (32000 × 768, 98 MB of f32, 3× the L3, so every call streams from DRAM), at 1 and 2 threads;
-// the threaded GEMM of prefill on a 110M FFN shape; and, where the CPU has AMX, the AMX GEMM
-// with per-call and pre-packed weight panels beside gemm_few. Before any timing, every set's GEMV
-// and GEMM are checked against the naive loop on odd sizes (every masked tail), and each timed
+// the threaded GEMM of prefill on a 110M FFN shape; a batched step's few-token kernels
+// (gemm_few, gemm_lanes) in L2 and streaming; and, where the CPU has AMX, the AMX GEMM with
+// per-call and pre-packed weight panels beside gemm_few. Before any timing, every set's GEMV and
+// GEMM are checked against the naive loop on odd sizes (every masked tail), and each timed
 // kernel on its own shape.
 #include <benchmark/benchmark.h>
 
@@ -15,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "kvdecode/detail/gemm_lanes.hpp"
 #include "kvdecode/detail/gemv.hpp"
 #include "kvdecode/detail/linear.hpp"
 #include "kvdecode/kvdecode.hpp"
@@ -240,6 +242,40 @@ void BM_GemmFewBf16(benchmark::State& state) {
       flops * static_cast<double>(state.iterations()) * 1e-9, benchmark::Counter::kIsRate);
 }
 
+/// A batched step's projection, one thread, the active set: range(0) tokens through gemm_few
+/// (range(1) = 0, each output summed as the GEMV) or gemm_lanes (1, outputs in lanes), on a
+/// 512 × 512 block that stays in L2 (range(2) = 0) or the 15M classifier, 32000 × 288 (37 MB,
+/// streamed from memory; 1).
+void BM_FewTokens(benchmark::State& state) {
+  const auto n = static_cast<std::size_t>(state.range(0));
+  const bool lanes = state.range(1) == 1;
+  const std::size_t out = state.range(2) == 0 ? 512 : 32000;
+  const std::size_t in = state.range(2) == 0 ? 512 : 288;
+  const AlignedBuffer<float> w = random_buffer<float>(out * in, 5);
+  const AlignedBuffer<float> x = random_buffer<float>(n * in, 6);
+  AlignedBuffer<float> y(n * out);
+  const KernelSet ks = active_kernel_set();
+  state.SetLabel(std::string(kernel_set_name(ks)) + (lanes ? " gemm_lanes" : " gemm_few"));
+  const auto run = [&] {
+    if (lanes) {
+      detail::gemm_lanes(ks, y.data(), x.data(), w.data(), n, in, out, 0, out,
+                         static_cast<float*>(nullptr));
+    } else {
+      detail::gemm_few(ks, y.data(), x.data(), w.data(), n, in, out, 0, out,
+                       static_cast<float*>(nullptr));
+    }
+  };
+  run();
+  check_against_naive(y.data(), w.data(), x.data(), n, out, in, "few tokens");
+  for (auto _ : state) {
+    run();
+    benchmark::DoNotOptimize(y.data());
+  }
+  state.counters["GFLOP/s"] = benchmark::Counter(
+      2.0 * static_cast<double>(n * in * out) * static_cast<double>(state.iterations()) * 1e-9,
+      benchmark::Counter::kIsRate);
+}
+
 BENCHMARK(BM_GemvEigen)->UseRealTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK_TEMPLATE(BM_Gemv, float)
     ->ArgsProduct({{1, 2}, {0, 1, 2, 3}})
@@ -265,6 +301,11 @@ BENCHMARK(BM_GemmAmx)  // 128 tokens through the projections of the 15M, 42M and
 BENCHMARK(BM_GemmFewBf16)
     ->ArgsProduct({{4, 8, 16}, {768, 2048}, {768}})
     ->ArgNames({"n", "out", "in"})
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_FewTokens)
+    ->ArgsProduct({{2, 4, 16}, {0, 1}, {0, 1}})
+    ->ArgNames({"n", "lanes", "classifier"})
     ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
 

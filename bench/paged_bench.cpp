@@ -301,7 +301,7 @@ void BM_DecodeBatch(benchmark::State& state) {
 // Args: shape (0 = 15M, 1 = 42M), B, threads.
 BENCHMARK(BM_DecodeBatch)
     ->ArgNames({"shape", "B", "threads"})
-    ->ArgsProduct({{0, 1}, {1, 4, 16, 64}, {1, 2}})
+    ->ArgsProduct({{0, 1}, {1, 2, 4, 16, 64}, {1, 2}})
     ->ComputeStatistics("min", min_of)
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);

@@ -108,15 +108,16 @@ void declare(CLI::App& app, Options& o) {
   const char* model = "Model";
   app.add_option("-m,--model", o.model,
                  "llama2.c checkpoint (v0 format), e.g. stories15M.bin, or a GGUF file of the "
-                 "llama architecture (f32, f16, bf16, q8_0 or q4_0 tensors). Default: the bundled "
+                 "llama architecture (f32, f16, bf16, q8_0 or q4_0 tensors; a llama or gpt2 "
+                 "vocabulary). Default: the bundled "
                  "models/kjv_tiny.bin (2.36M parameters trained on the King James Bible). "
                  "\"demo\": the library's demo model, deterministic random weights (its text is "
                  "noise, its timings are real); also used when kjv_tiny.bin is missing")
       ->group(model);
   app.add_option("--tokenizer", o.tokenizer,
                  "llama2.c tokenizer.bin (default: the GGUF file's vocabulary, or tokenizer.bin "
-                 "beside a checkpoint); must have "
-                 "the checkpoint's vocabulary size")
+                 "beside a checkpoint); must have the checkpoint's vocabulary size. Refused for a "
+                 "GGUF file with a gpt2 (byte-level BPE) vocabulary")
       ->group(model);
   cli::choice(app, "--weights", o.weights,
               {{"stored", WeightType::kStored},
@@ -141,15 +142,16 @@ void declare(CLI::App& app, Options& o) {
       ->group(text);
   app.add_option("-n,--n-predict", o.n,
                  "tokens to generate; -1: until the context ends (with --window: until BOS, a "
-                 "stop string or Ctrl-C). Stops earlier at BOS or a full cache. Not given: 256, "
+                 "stop string or Ctrl-C). Stops earlier at BOS (EOS for a gpt2 vocabulary) or a "
+                 "full cache. Not given: 256, "
                  "then on to the end of the line in progress (a verse of the KJV model; at most "
                  "128 tokens more) unless --ignore-bos")
       ->check(number<std::int64_t>(1, std::numeric_limits<std::int64_t>::max(), -1))
       ->capture_default_str()
       ->group(text);
   app.add_flag("--ignore-bos", o.ignore_bos,
-               "go on after a BOS token (not printed) instead of ending the text, so that "
-               "exactly N tokens are generated (benchmarks, tests)")
+               "go on after a BOS token (EOS for a gpt2 vocabulary; not printed) instead of "
+               "ending the text, so that exactly N tokens are generated (benchmarks, tests)")
       ->group(text);
   app.add_option("--stop", o.stop, "stop string: the text ends before it (repeatable)")
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll)
@@ -412,7 +414,7 @@ struct Source {
   std::string name;  // for the report
   AnyWeights weights;
   std::string stored;  // the format the file keeps its layer matrices in, for the report
-  kvdecode::Tokenizer tokenizer;
+  kvdecode::Vocabulary vocabulary;
   std::string default_prompt;
   double load_ms = 0;
 
@@ -446,12 +448,12 @@ AnyWeights convert_to(kvdecode::Weights<float> w, WeightType t) {
 }
 
 /// The model file's weights in the format `t`, each tensor converted only when its stored type
-/// is not t's, and its vocabulary when it holds one.
+/// is not t's, and its vocabulary (of either kind) when it holds one.
 AnyWeights load_as(const std::filesystem::path& model, WeightType t,
-                   std::optional<kvdecode::GgufVocabulary>& vocabulary) {
+                   std::optional<kvdecode::Vocabulary>& vocabulary) {
   using namespace kvdecode;
   const auto take = [&](auto loaded) -> AnyWeights {
-    vocabulary = std::move(loaded.vocabulary);
+    vocabulary = take_vocabulary(loaded);
     return std::move(loaded.weights);
   };
   if (t == WeightType::kBf16) return take(load_model<bf16>(model));
@@ -489,20 +491,26 @@ Source load_source(const Options& o) {
     return {"demo (random weights)",
             convert_to(kvdecode::demo_weights<float>(), t),
             "f32",
-            std::move(tokenizer),
+            kvdecode::Vocabulary(std::move(tokenizer)),
             kStoriesPrompt,
             ms_since(t0)};
   }
   const kvdecode::StoredWeights stored = kvdecode::stored_weights(model);
-  std::optional<kvdecode::GgufVocabulary> vocabulary;
+  std::optional<kvdecode::Vocabulary> vocabulary;
   AnyWeights weights = load_as(
       model, o.weights == WeightType::kStored ? weight_type(stored.format) : o.weights, vocabulary);
   const std::int64_t vocab_size =
       std::visit([](const auto& w) { return w.config.vocab_size; }, weights);
+  // A tokenizer.bin is SentencePiece with run.c's ids: it may stand in for a GGUF file's own
+  // "llama" vocabulary, not for a byte-level BPE one (other ids, other special tokens).
+  if (vocabulary && vocabulary->kind() == kvdecode::Vocabulary::Kind::kBytePairs &&
+      !o.tokenizer.empty())
+    throw cli::UsageError{"--tokenizer '" + o.tokenizer + "' is a llama2.c tokenizer.bin, but '" +
+                          model.string() +
+                          "' has a gpt2 (byte-level BPE) vocabulary of its own; drop --tokenizer"};
   if (vocabulary && o.tokenizer.empty()) {
-    return {model.string(),     std::move(weights),
-            stored.matrix_type, std::move(vocabulary->tokenizer),
-            kStoriesPrompt,     ms_since(t0)};
+    return {model.string(),         std::move(weights), stored.matrix_type,
+            std::move(*vocabulary), kStoriesPrompt,     ms_since(t0)};
   }
   const fs::path tok =
       o.tokenizer.empty() ? model.parent_path() / "tokenizer.bin" : fs::path(o.tokenizer);
@@ -522,7 +530,7 @@ Source load_source(const Options& o) {
   return {model.string(),
           std::move(weights),
           stored.matrix_type,
-          std::move(*tokenizer),
+          kvdecode::Vocabulary(std::move(*tokenizer)),
           is_kjv ? kKjvPrompt : kStoriesPrompt,
           ms_since(t0)};
 }
@@ -577,14 +585,6 @@ std::string reserved_for(const S& store) {
 volatile std::sig_atomic_t g_interrupted = 0;
 extern "C" void on_sigint(int) { g_interrupted = 1; }
 
-/// The text of a token as the terminal should get it: run.c's safe_printf rule (a lone
-/// control byte is dropped), except that a raw byte >= 0x80 is kept, as it is part of a UTF-8
-/// character that TextStream assembles.
-std::string_view shown_piece(std::string_view piece) {
-  if (piece.size() == 1 && static_cast<unsigned char>(piece[0]) >= 0x80) return piece;
-  return kvdecode::Tokenizer::printed_text(piece);
-}
-
 void write_out(std::string_view text) {
   std::fwrite(text.data(), 1, text.size(), stdout);
   std::fflush(stdout);
@@ -596,7 +596,7 @@ void write_out(std::string_view text) {
 struct Run {
   const Options& o;
   const Source& src;
-  std::vector<std::int32_t> prompt;  // BOS, then the prompt's tokens
+  std::vector<std::int32_t> prompt;  // BOS when the vocabulary adds one, the prompt's tokens
   std::uint64_t seed = 0;
   Clock::time_point start;
   const kvdecode::Model<float>* draft = nullptr;  // --draft's model, else none
@@ -631,7 +631,8 @@ int generate_with(const Run& run, const kvdecode::Model<float, W>& model, S& cac
   using namespace kvdecode;
   const Options& o = run.o;
   const ModelConfig& cfg = model.config();
-  const Tokenizer& tokenizer = run.src.tokenizer;
+  const Vocabulary& vocabulary = run.src.vocabulary;
+  const std::int32_t end_id = vocabulary.specials().end_id;
   const std::vector<std::int32_t>& prompt = run.prompt;
   Activations<float> act(
       cfg, {.max_chunk = chunk, .store_scratch = cache.block_scratch_size(), .thread_pool = &pool});
@@ -658,10 +659,13 @@ int generate_with(const Run& run, const kvdecode::Model<float, W>& model, S& cac
     load_cache_ms = ms_since(t0);
   }
 
-  // Echo the prompt: every piece after BOS, whole UTF-8 characters only.
+  // Echo the prompt: every piece after BOS (when the vocabulary adds one), whole UTF-8
+  // characters only.
   TextStream echo;
-  for (std::size_t i = 1; i < prompt.size(); ++i)
-    write_out(echo.push(shown_piece(tokenizer.decode(prompt[i - 1], prompt[i]))));
+  const SpecialTokens& specials = vocabulary.specials();
+  const std::size_t first = !prompt.empty() && prompt[0] == specials.bos_id ? 1 : 0;
+  for (std::size_t i = first; i < prompt.size(); ++i)
+    write_out(echo.push(vocabulary.shown_text(i > 0 ? prompt[i - 1] : -1, prompt[i])));
   write_out(echo.flush());
 
   // After the prompt: save the cache, then count the decode steps' work only.
@@ -677,7 +681,8 @@ int generate_with(const Run& run, const kvdecode::Model<float, W>& model, S& cac
     counters = WorkCounters{};
   };
   // Each token: shown through the TextStream (whole UTF-8 characters, the text before a stop
-  // string; a BOS ends the text as in run.c, or is skipped with --ignore-bos). Without -n (and
+  // string; the vocabulary's end token, BOS as in run.c or a gpt2 vocabulary's EOS, ends the
+  // text, or is skipped with --ignore-bos). Without -n (and
   // --ignore-bos) the text ends at a line end once n tokens are out: the first piece past n that
   // ends in a newline stops it (the newline printed after the text is that one), at most
   // kLineOvershoot tokens past n.
@@ -694,8 +699,8 @@ int generate_with(const Run& run, const kvdecode::Model<float, W>& model, S& cac
   const auto on_token = [&](std::int32_t token) {
     if (compare) emitted.push_back(token);
     ++tokens_seen;
-    if (token != Tokenizer::kBos) {
-      const std::string_view piece = shown_piece(tokenizer.decode(prev, token));
+    if (token != end_id) {
+      const std::string_view piece = vocabulary.shown_text(prev, token);
       ended_line =
           finish_line && tokens_seen > static_cast<std::size_t>(o.n) && piece.ends_with('\n');
       write_out(text.push(ended_line ? piece.substr(0, piece.size() - 1) : piece));
@@ -707,7 +712,7 @@ int generate_with(const Run& run, const kvdecode::Model<float, W>& model, S& cac
   go.max_new_tokens = o.n < 0       ? std::numeric_limits<std::size_t>::max()
                       : finish_line ? static_cast<std::size_t>(o.n) + kLineOvershoot
                                     : static_cast<std::size_t>(o.n);
-  go.stop_token = o.ignore_bos ? -1 : Tokenizer::kBos;
+  go.stop_token = o.ignore_bos ? -1 : end_id;
   go.use_cache = !o.no_cache;
   go.speculation = speculation;
   const GenerationStats st = generate(model, cache, act, std::span(prompt).subspan(from_file),
@@ -767,12 +772,13 @@ int generate_with(const Run& run, const kvdecode::Model<float, W>& model, S& cac
     std::fprintf(out, "cache loaded       in %.2f ms (not in time to first token)\n",
                  load_cache_ms);
   std::fprintf(out, "generated tokens   %zu%s\n", st.generated_tokens,
-               g_interrupted       ? " (interrupted)"
-               : text.stopped()    ? " (stop string)"
-               : st.hit_stop_token ? " (stopped at BOS)"
-               : st.hit_capacity   ? " (cache full)"
-               : ended_line        ? " (end of line)"
-                                   : "");
+               g_interrupted    ? " (interrupted)"
+               : text.stopped() ? " (stop string)"
+               : st.hit_stop_token
+                   ? (end_id == specials.eos_id ? " (stopped at EOS)" : " (stopped at BOS)")
+               : st.hit_capacity ? " (cache full)"
+               : ended_line      ? " (end of line)"
+                                 : "");
   std::fprintf(out, "prefill            %.2f ms, %.1f tok/s (%zu tokens)\n", st.prefill_ms,
                st.prefill_tokens_per_s(), st.prompt_tokens);
   if (!o.save_cache.empty())
@@ -848,7 +854,8 @@ int chat_with(const Run& run, const kvdecode::Model<float, W>& model, S& cache,
   using namespace kvdecode;
   const Options& o = run.o;
   const ModelConfig& cfg = model.config();
-  const Tokenizer& tokenizer = run.src.tokenizer;
+  const Vocabulary& vocabulary = run.src.vocabulary;
+  const std::int32_t end_id = vocabulary.specials().end_id;
   Activations<float> act(
       cfg, {.max_chunk = chunk, .store_scratch = cache.block_scratch_size(), .thread_pool = &pool});
   SamplerOptions so{o.temperature, o.top_p, o.top_k, run.seed};
@@ -859,13 +866,15 @@ int chat_with(const Run& run, const kvdecode::Model<float, W>& model, S& cache,
   GenerationOptions go;
   go.max_new_tokens =
       o.n < 0 ? std::numeric_limits<std::size_t>::max() : static_cast<std::size_t>(o.n);
-  go.stop_token = o.ignore_bos ? -1 : Tokenizer::kBos;
+  go.stop_token = o.ignore_bos ? -1 : end_id;
   go.speculation = speculation;
   std::optional<std::int32_t> last;  // the last answer's final token, sampled but not yet fed
   std::string line;
   for (std::size_t turn = 1; std::getline(std::cin, line) && g_interrupted == 0; ++turn) {
     if (line.empty()) continue;
-    std::vector<std::int32_t> tokens = tokenizer.encode(line, /*bos=*/!last);
+    // The first turn starts as a prompt does; later ones go on from the last answer.
+    std::vector<std::int32_t> tokens =
+        last ? vocabulary.encode(line, false, false) : vocabulary.encode_prompt(line);
     if (last) tokens.insert(tokens.begin(), *last);
     const std::size_t reused = cache.size();
     if (tokens.size() + 1 > cache.capacity() - cache.size()) {
@@ -876,8 +885,7 @@ int chat_with(const Run& run, const kvdecode::Model<float, W>& model, S& cache,
     std::int32_t prev = tokens.back();
     TextStream text(o.stop);
     const auto on_token = [&](std::int32_t token) {
-      if (token != Tokenizer::kBos)
-        write_out(text.push(shown_piece(tokenizer.decode(prev, token))));
+      if (token != end_id) write_out(text.push(vocabulary.shown_text(prev, token)));
       prev = token;
       last = token;
       return !text.stopped() && g_interrupted == 0;
@@ -967,7 +975,7 @@ int run(const Options& o) {
   Source src = load_source(o);
   Run r{o, src, {}, 0, start, nullptr, {}};
   if (!o.interactive) {
-    r.prompt = src.tokenizer.encode(prompt_text(o, src), /*bos=*/true);
+    r.prompt = src.vocabulary.encode_prompt(prompt_text(o, src));
   }
   r.seed = o.seed > 0 ? static_cast<std::uint64_t>(o.seed)
                       : (std::uint64_t{std::random_device{}()} << 32 | std::random_device{}()) | 1;

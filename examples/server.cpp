@@ -1,10 +1,11 @@
 // server: an OpenAI-compatible HTTP server over kvdecode's serving Engine. POST
 // /v1/completions and /v1/chat/completions (a one-verse-per-turn chat template for the bundled
-// KJV model), streamed as server-sent events when "stream" is true; GET /health and /metrics.
-// Requests from every connection share one paged KV pool and its prefix cache, so a shared
-// system prompt or an earlier turn of a conversation is computed once; with --prefix-dir the
-// prefix cache is kept on disk too, so a restarted server reuses it. Listens on 127.0.0.1 unless
-// told otherwise. `server --help` lists the flags.
+// KJV model; a llama2.c checkpoint or a GGUF file of either vocabulary kind), streamed as
+// server-sent events when "stream" is true; GET /health and /metrics. Requests from every
+// connection share one paged KV pool and its prefix cache, so a shared system prompt or an earlier
+// turn of a conversation is computed once; with --prefix-dir the prefix cache is kept on disk too,
+// so a restarted server reuses it. Listens on 127.0.0.1 unless told otherwise. `server --help`
+// lists the flags.
 #include <httplib.h>
 // <resolv.h>, which httplib.h includes, defines _res as a macro; Eigen names parameters _res.
 #undef _res
@@ -74,8 +75,11 @@ void declare(CLI::App& app, Options& o) {
       "Exit codes: 0 after SIGINT or SIGTERM, 1 an error (a missing model, a port in use), 2 a "
       "bad command line.");
   app.add_option("-m,--model", o.model,
-                 "llama2.c checkpoint (default: the bundled models/kjv_tiny.bin)");
-  app.add_option("--tokenizer", o.tokenizer, "tokenizer.bin (default: beside the model)");
+                 "llama2.c checkpoint or GGUF file of the llama architecture, its weights run "
+                 "in f32 (default: the bundled models/kjv_tiny.bin)");
+  app.add_option("--tokenizer", o.tokenizer,
+                 "tokenizer.bin (default: the GGUF file's vocabulary, or tokenizer.bin beside "
+                 "the model); refused for a GGUF file with a gpt2 (byte-level BPE) vocabulary");
   app.add_option("--host", o.host, "address to bind; 0.0.0.0 exposes the server to the network")
       ->capture_default_str();
   app.add_option("--port", o.port, "TCP port; 0 picks a free one (printed)")
@@ -182,11 +186,11 @@ std::string required_string(const json& j, const char* name, const char* where) 
 // The server's state shared by every connection.
 
 struct Server {
-  Server(const Options& options, std::string name, kvdecode::Tokenizer tok)
-      : o(options), model_name(std::move(name)), tokenizer(std::move(tok)) {}
+  Server(const Options& options, std::string name, kvdecode::Vocabulary vocab)
+      : o(options), model_name(std::move(name)), vocabulary(std::move(vocab)) {}
   const Options& o;
   std::string model_name;
-  kvdecode::Tokenizer tokenizer;
+  kvdecode::Vocabulary vocabulary;
   std::unique_ptr<kvdecode::Model<float>> model;
   std::unique_ptr<kvdecode::ThreadPool> threads;
   std::unique_ptr<kvdecode::Engine<float>> engine;
@@ -216,13 +220,16 @@ struct Server {
     return it->second;
   }
 
-  /// The chat template: BOS, then each message's text (the tokenizer's dummy space before it)
-  /// followed by a newline token — one verse per turn, as the KJV model writes them. An
-  /// assistant message the server wrote is repeated as the tokens it generated.
+  /// The chat template: BOS (when the vocabulary adds one), then each message's text (a
+  /// SentencePiece tokenizer's dummy space before it) followed by a newline token — one verse
+  /// per turn, as the KJV model writes them. An assistant message the server wrote is repeated
+  /// as the tokens it generated.
   std::vector<std::int32_t> chat_prompt(const json& messages) {
     if (!messages.is_array() || messages.empty())
       throw BadRequest{"'messages' must be a non-empty array"};
-    std::vector<std::int32_t> tokens{kvdecode::Tokenizer::kBos};
+    const kvdecode::SpecialTokens& specials = vocabulary.specials();
+    std::vector<std::int32_t> tokens;
+    if (specials.add_bos) tokens.push_back(specials.bos_id);
     for (const json& m : messages) {
       if (!m.is_object()) throw BadRequest{"every message must be an object"};
       const std::string role = required_string(m, "role", "a message");
@@ -236,7 +243,7 @@ struct Server {
           continue;
         }
       }
-      const auto ids = tokenizer.encode(content, false);
+      const auto ids = vocabulary.encode(content, false, false);
       tokens.insert(tokens.end(), ids.begin(), ids.end());
       tokens.push_back(newline);
     }
@@ -245,9 +252,7 @@ struct Server {
 
   /// The text of a generated token after `prev`, as generate shows it.
   std::string_view piece(std::int32_t prev, std::int32_t token) const {
-    const std::string_view p = tokenizer.decode(prev, token);
-    if (p.size() == 1 && static_cast<unsigned char>(p[0]) >= 0x80) return p;
-    return kvdecode::Tokenizer::printed_text(p);
+    return vocabulary.shown_text(prev, token);
   }
 };
 
@@ -299,7 +304,8 @@ struct Generation {
     }
     tokens.push_back(token);
     std::string out;
-    if (token != kvdecode::Tokenizer::kBos) out = std::string(text.push(server.piece(prev, token)));
+    if (token != server.vocabulary.specials().end_id)
+      out = std::string(text.push(server.piece(prev, token)));
     prev = token;
     if (text.stopped()) {
       stopped_by_text = true;
@@ -329,7 +335,8 @@ void serve_generation(Server& s, httplib::Response& res, std::vector<std::int32_
   req.prompt = std::move(prompt);
   req.sampling = sp.sampler;
   req.max_tokens = sp.max_tokens;
-  req.stop_tokens = {kvdecode::Tokenizer::kBos};
+  // The vocabulary's end token: BOS for llama2.c's conventions, a gpt2 vocabulary's EOS.
+  if (const std::int32_t end = s.vocabulary.specials().end_id; end >= 0) req.stop_tokens = {end};
   std::vector<std::string> stop = sp.stop;
   if (chat) {
     // One verse per turn: a token holding a newline ends the answer.
@@ -352,7 +359,7 @@ void serve_generation(Server& s, httplib::Response& res, std::vector<std::int32_
   const auto remember_answer = [&s, chat](const std::string& text, const Generation& g) {
     if (!chat) return;
     std::vector<std::int32_t> t = g.tokens;
-    if (!t.empty() && t.back() == kvdecode::Tokenizer::kBos) t.pop_back();
+    if (!t.empty() && t.back() == s.vocabulary.specials().end_id) t.pop_back();
     // The next turn's template puts a newline token after the answer: one ends it already
     // when a newline stopped it.
     if (t.empty() ||
@@ -549,12 +556,22 @@ int run(const Options& o) {
   }
   const fs::path model_path =
       o.model.empty() ? fs::path(KVDECODE_DEFAULT_MODEL_DIR) / "kjv_tiny.bin" : fs::path(o.model);
-  kvdecode::Weights<float> weights = kvdecode::load_checkpoint(model_path);
-  const fs::path tok_path =
-      o.tokenizer.empty() ? model_path.parent_path() / "tokenizer.bin" : fs::path(o.tokenizer);
-  Server s(o, model_path.filename().string(),
-           kvdecode::Tokenizer::load(tok_path, weights.config.vocab_size));
-  s.model = std::make_unique<kvdecode::Model<float>>(std::move(weights));
+  kvdecode::LoadedModel<float> loaded = kvdecode::load_model<float>(model_path);
+  std::optional<kvdecode::Vocabulary> vocabulary = kvdecode::take_vocabulary(loaded);
+  // A tokenizer.bin (run.c's ids) may stand in for a GGUF file's "llama" vocabulary, not for a
+  // byte-level BPE one.
+  if (vocabulary && vocabulary->kind() == kvdecode::Vocabulary::Kind::kBytePairs &&
+      !o.tokenizer.empty())
+    throw cli::UsageError{"--tokenizer '" + o.tokenizer + "' is a llama2.c tokenizer.bin, but '" +
+                          model_path.string() +
+                          "' has a gpt2 (byte-level BPE) vocabulary of its own; drop --tokenizer"};
+  if (!vocabulary || !o.tokenizer.empty()) {
+    const fs::path tok_path =
+        o.tokenizer.empty() ? model_path.parent_path() / "tokenizer.bin" : fs::path(o.tokenizer);
+    vocabulary.emplace(kvdecode::Tokenizer::load(tok_path, loaded.weights.config.vocab_size));
+  }
+  Server s(o, model_path.filename().string(), std::move(*vocabulary));
+  s.model = std::make_unique<kvdecode::Model<float>>(std::move(loaded.weights));
   const kvdecode::ModelConfig& cfg = s.model->config();
   s.threads = std::make_unique<kvdecode::ThreadPool>(o.threads);
   if (o.step_tokens < o.max_running)
@@ -578,7 +595,7 @@ int run(const Options& o) {
                                         .prefix_dir = o.prefix_dir,
                                         .prefix_max_bytes = o.prefix_max_bytes});
   for (std::int32_t id = 0; id < cfg.vocab_size; ++id) {
-    const std::string_view p = s.tokenizer.decode(0, id);
+    const std::string_view p = s.vocabulary.decode(0, id);
     if (p.find('\n') != std::string_view::npos) s.newline_ids.push_back(id);
     if (p == "\n" && s.newline == 0) s.newline = id;
   }
@@ -587,6 +604,7 @@ int run(const Options& o) {
   httplib::Server http;
   http.new_task_queue = [n = o.http_threads] { return new httplib::ThreadPool(n); };
   http.set_payload_max_length(o.max_body_bytes);
+  http.set_tcp_nodelay(true);  // each streamed event goes out as written (no Nagle wait for an ACK)
   http.set_read_timeout(10, 0);
   http.set_write_timeout(10, 0);
   http.Get("/health", [&](const httplib::Request&, httplib::Response& res) {
@@ -603,7 +621,7 @@ int run(const Options& o) {
     answer(s, res, [&] {
       const std::string prompt = required_string(*body, "prompt", "the request");
       const Sampling sp = read_sampling(*body, 16);
-      serve_generation(s, res, s.tokenizer.encode(prompt, true), sp, false);
+      serve_generation(s, res, s.vocabulary.encode_prompt(prompt), sp, false);
     });
   });
   http.Post("/v1/chat/completions", [&](const httplib::Request& req, httplib::Response& res) {

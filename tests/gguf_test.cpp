@@ -19,9 +19,11 @@
 #include <iostream>
 #include <optional>
 #include <span>
+#include <sstream>
 #include <string>
 #include <string_view>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "fixture_files.hpp"
@@ -327,6 +329,141 @@ TEST(GgufModelTest, RefusesFeaturesTheLibraryDoesNotRun) {
               HasSubstr("llama.rope.scaling.type is 'linear'"));
   EXPECT_THAT(error_of([] { gguf_model_config(GgufFile::open(gguf("moe"))); }),
               HasSubstr("llama.expert_count is 8; mixture-of-experts"));
+}
+
+// ---------------------------------------------------------------------------------------------
+// A llama model with GPT-2's vocabulary (tests/CMakeLists.txt): random weights for 50 257 tokens,
+// the tokenizer.* metadata copied from llama.cpp's ggml-vocab-gpt-2.gguf (tests/data/gpt2-vocab).
+
+fs::path gpt2_vocab_dir() { return fs::path(KVDECODE_TEST_DATA_DIR) / "gpt2-vocab"; }
+fs::path gpt2_model() { return fs::path(KVDECODE_GGUF_DIR) / "gpt2_tiny.gguf"; }
+
+// llama.cpp's tokenizer test cases: texts separated by "\n__ggml_vocab_test__\n", one line of
+// ids per text.
+std::vector<std::pair<std::string, std::vector<std::int32_t>>> gpt2_cases() {
+  const std::string inp = read_text(gpt2_vocab_dir() / "ggml-vocab-gpt-2.gguf.inp");
+  const std::string sep = "\n__ggml_vocab_test__\n";
+  std::vector<std::pair<std::string, std::vector<std::int32_t>>> cases;
+  for (std::size_t pos = 0; pos < inp.size();) {  // the file ends with a separator
+    const std::size_t next = std::min(inp.find(sep, pos), inp.size());
+    cases.emplace_back(inp.substr(pos, next - pos), std::vector<std::int32_t>{});
+    pos = next + sep.size();
+  }
+  std::ifstream out(gpt2_vocab_dir() / "ggml-vocab-gpt-2.gguf.out");
+  std::size_t k = 0;
+  for (std::string line; std::getline(out, line) && k < cases.size(); ++k) {
+    std::istringstream in(line);
+    for (std::int32_t id = 0; in >> id;) cases[k].second.push_back(id);
+  }
+  EXPECT_EQ(k, cases.size());
+  return cases;
+}
+
+TEST(GgufBpeModelTest, LoadModelGivesTheGpt2Vocabulary) {
+  LoadedModel<float> loaded = load_model(gpt2_model());
+  EXPECT_EQ(loaded.format, ModelFormat::kGguf);
+  EXPECT_EQ(loaded.weights.config.vocab_size, 50257);
+  EXPECT_FALSE(loaded.vocabulary.has_value());
+  ASSERT_TRUE(loaded.bpe_vocabulary.has_value());
+  const BpeTokenizer& tok = loaded.bpe_vocabulary->tokenizer;
+  const auto cases = gpt2_cases();
+  ASSERT_GE(cases.size(), 40u);
+  for (const auto& [text, ids] : cases) EXPECT_EQ(tok.encode(text), ids) << "'" << text << "'";
+
+  // The special tokens as the vocabulary file stores them, read through the container: BOS and
+  // EOS 50256 (<|endoftext|>), no add_bos_token key (llama.cpp's default for gpt2: no BOS).
+  const GgufFile vf = GgufFile::open(gpt2_vocab_dir() / "ggml-vocab-gpt-2.gguf");
+  const std::int64_t bos = vf.get_int("tokenizer.ggml.bos_token_id", 0, 50256);
+  const std::int64_t eos = vf.get_int("tokenizer.ggml.eos_token_id", 0, 50256);
+  EXPECT_EQ(bos, 50256);
+  EXPECT_EQ(eos, 50256);
+  EXPECT_EQ(vf.find("tokenizer.ggml.add_bos_token"), nullptr);
+  EXPECT_EQ(tok.bos_id(), bos);
+  EXPECT_EQ(tok.eos_id(), eos);
+  EXPECT_FALSE(loaded.bpe_vocabulary->add_bos);
+  EXPECT_FALSE(loaded.bpe_vocabulary->add_eos);
+
+  // As a Vocabulary: the same ids, no BOS before a prompt, EOS ends a text.
+  const std::optional<Vocabulary> v = take_vocabulary(loaded);
+  ASSERT_TRUE(v.has_value());
+  EXPECT_FALSE(loaded.bpe_vocabulary.has_value());
+  EXPECT_EQ(v->kind(), Vocabulary::Kind::kBytePairs);
+  EXPECT_EQ(v->vocab_size(), 50257);
+  EXPECT_EQ(v->specials().bos_id, bos);
+  EXPECT_EQ(v->specials().eos_id, eos);
+  EXPECT_FALSE(v->specials().add_bos);
+  EXPECT_EQ(v->specials().end_id, eos);
+  for (const auto& [text, ids] : cases) {
+    if (ids.empty()) continue;
+    EXPECT_EQ(v->encode_prompt(text), ids) << "'" << text << "'";
+  }
+  // An empty prompt starts from BOS, the one token the model can go on from.
+  EXPECT_EQ(v->encode_prompt(""), std::vector<std::int32_t>{50256});
+}
+
+TEST(GgufBpeModelTest, GreedyTokensMatchTheReferenceForward) {
+  LoadedModel<float> loaded = load_model(gpt2_model());
+  const std::optional<Vocabulary> vocab = take_vocabulary(loaded);
+  ASSERT_TRUE(vocab.has_value());
+  const Model<float> model(std::move(loaded.weights));
+  // "Hello, world!" is case 16 of llama.cpp's .out: 15496 11 995 0.
+  const std::vector<std::int32_t> prompt = vocab->encode_prompt("Hello, world!");
+  ASSERT_EQ(prompt, (std::vector<std::int32_t>{15496, 11, 995, 0}));
+
+  // The reference: each next token the argmax (written here) of forward_reference over the whole
+  // sequence so far, no cache.
+  constexpr std::size_t kTokens = 12;
+  const auto vocab_size = static_cast<std::size_t>(model.config().vocab_size);
+  std::vector<std::int32_t> seq = prompt, expected;
+  double margin = INFINITY;
+  for (std::size_t i = 0; i < kTokens; ++i) {
+    const std::vector<float> logits = model.forward_reference(seq);
+    const float* last = logits.data() + (seq.size() - 1) * vocab_size;
+    std::size_t best = 0;
+    for (std::size_t t = 1; t < vocab_size; ++t)
+      if (last[t] > last[best]) best = t;
+    for (std::size_t t = 0; t < vocab_size; ++t)
+      if (t != best) margin = std::min(margin, static_cast<double>(last[best] - last[t]));
+    expected.push_back(static_cast<std::int32_t>(best));
+    seq.push_back(static_cast<std::int32_t>(best));
+  }
+  // Ties would make the comparison depend on rounding: the random model has none this close.
+  EXPECT_GT(margin, 1e-4);
+
+  ContiguousStore<float> cache(model.config());
+  Activations<float> act(model.config(), {.max_chunk = 3});
+  Sampler sampler(model.config().vocab_size, SamplerOptions{0.0, 0.9, 0, 1});
+  GenerationOptions opt;
+  opt.max_new_tokens = kTokens;
+  opt.stop_token = -1;  // the comparison is over kTokens tokens, whatever they are
+  std::vector<std::int32_t> got;
+  generate(model, cache, act, std::span<const std::int32_t>(prompt), sampler, opt,
+           [&](std::int32_t t) { got.push_back(t); });
+  EXPECT_EQ(got, expected);
+}
+
+TEST(GgufBpeModelTest, RefusesAVocabularyOfAnotherSize) {
+  // The tiny fixture (512 rows of token_embd.weight) with GPT-2's 50 257 tokens.
+  EXPECT_THAT(error_of([] { load_model(gguf("gpt2vocab")); }),
+              AllOf(HasSubstr("tiny_gpt2vocab.gguf"),
+                    HasSubstr("tokenizer.ggml.tokens holds 50257 tokens but the model's "
+                              "vocab_size (rows of token_embd.weight) is 512")));
+}
+
+TEST(GgufModelTest, TakeVocabularyOfALlamaFileKeepsRunCsConventions) {
+  LoadedModel<float> loaded = load_model(gguf("f32"));
+  EXPECT_FALSE(loaded.bpe_vocabulary.has_value());
+  const std::optional<Vocabulary> v = take_vocabulary(loaded);
+  ASSERT_TRUE(v.has_value());
+  EXPECT_EQ(v->kind(), Vocabulary::Kind::kSentencePiece);
+  EXPECT_EQ(v->specials().bos_id, 1);
+  EXPECT_EQ(v->specials().eos_id, 2);
+  EXPECT_TRUE(v->specials().add_bos);  // the converter writes add_bos_token true
+  EXPECT_EQ(v->specials().end_id, 1);  // run.c stops at BOS
+  EXPECT_EQ(v->encode_prompt(read_text(tiny_dir() / "prompt.txt")),
+            read_ids(tiny_dir() / "prompt_ids.txt"));
+  LoadedModel<float> checkpoint = load_model(tiny_dir() / "model.bin");
+  EXPECT_FALSE(take_vocabulary(checkpoint).has_value());
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -1,9 +1,10 @@
 // The optimised kernels of every kernel set this CPU supports against naive loops written here:
-// GEMV (f32, bf16), the few-token GEMM of batched decode (also against each token's GEMV), the
-// projection scheduler (linear_group) at 1/2/3 threads, the int8 and 4-bit dequantization, the
-// kernel-set choice, the thread pool, bf16 rounding and threaded attention. Odd sizes (columns
-// 1..70 and 95, 129, 295; rows not multiples of any block; 1..16 tokens) cover every tail path.
-// A set the CPU lacks is skipped by name.
+// GEMV (f32, bf16), the few-token GEMMs (gemm_few also against each token's GEMV; gemm_lanes of
+// batched steps also against its fma chain and the same token alone), the projection scheduler
+// (linear_group) at 1/2/3 threads, the int8 and 4-bit dequantization, the kernel-set choice, the
+// thread pool, bf16 rounding and threaded attention. Odd sizes (columns 1..70 and 95, 129, 295;
+// rows not multiples of any block; 1..16 tokens) cover every tail path. A set the CPU lacks is
+// skipped by name.
 //
 // f32 bound: a sum of n products computed in f32 in any order is within γ_n·Σ|w_i x_i| of the
 // exact sum, γ_n ≈ n·2^-24 (Higham, Accuracy and Stability, §3.1); the naive loop sums in double.
@@ -22,6 +23,7 @@
 #include "kvdecode/detail/cpu.hpp"
 #include "kvdecode/detail/f16.hpp"
 #include "kvdecode/detail/gemm.hpp"
+#include "kvdecode/detail/gemm_lanes.hpp"
 #include "kvdecode/detail/gemv.hpp"
 #include "kvdecode/detail/linear.hpp"
 #include "kvdecode/detail/quantize.hpp"
@@ -195,6 +197,67 @@ void check_gemm_packed(KernelSet ks) {
       }
 }
 
+/// The lane kernel's order, written out: one f32 fma chain over k in order from zero.
+template <class W>
+float fma_chain(const W* w, const float* x, std::size_t cols) {
+  float s = 0;
+  for (std::size_t c = 0; c < cols; ++c) s = std::fma(static_cast<float>(w[c]), x[c], s);
+  return s;
+}
+
+/// gemm_lanes over rows [1, rows) of every token count: each output within the f32 bound of the
+/// naive loop and equal bit for bit to the same token run alone (a sequence's outputs do not
+/// depend on its batch); with a lane kernel and without vdpbf16ps (whose pair sums have their
+/// own order) also to fma_chain, the order the header promises. Rows 1..97 cover tiles of 64,
+/// 32 and 16 rows and their tails; columns past 256 cover several transposed chunks.
+template <class W>
+void check_gemm_lanes(KernelSet ks) {
+  const bool chain = detail::has_gemm_lanes<float, W>(ks) &&
+                     !(std::is_same_v<W, bf16> && ks == KernelSet::kAvx512Bf16);
+  for (std::size_t n = 1; n <= detail::kMaxFewTokens; ++n)
+    for (const std::size_t rows : {2, 17, 33, 66, 97})
+      for (const std::size_t cols : {1, 7, 16, 17, 31, 33, 65, 129, 295, 600}) {
+        const auto w = random_vector<W>(rows * cols, rows * 1000 + cols);
+        const auto x0 = random_vector<float>(n * cols, n * 7 + cols);  // [n][cols]
+        std::vector<float> x(n * cols);  // as linear_group passes it: rounded for bf16 weights
+        if constexpr (std::is_same_v<W, bf16>) {
+          detail::round_to_bf16(x0.data(), x.data(), n * cols);
+        } else {
+          x = x0;
+        }
+        std::vector<float> y(n * rows, std::numeric_limits<float>::quiet_NaN());  // [n][rows]
+        detail::gemm_lanes(ks, y.data(), x.data(), w.data(), n, cols, rows, 1, rows,
+                           static_cast<float*>(nullptr));
+        for (std::size_t t = 0; t < n; ++t) {
+          const float* xt = x.data() + t * cols;
+          std::vector<double> ref, mag;
+          naive_gemv(w, std::vector<float>(xt, xt + cols), rows, cols, x_exact, ref, mag);
+          std::vector<float> alone(rows, std::numeric_limits<float>::quiet_NaN());
+          detail::gemm_lanes(ks, alone.data(), xt, w.data(), 1, cols, rows, 1, rows,
+                             static_cast<float*>(nullptr));
+          ASSERT_TRUE(std::isnan(y[t * rows])) << "row outside the slice was written";
+          for (std::size_t r = 1; r < rows; ++r) {
+            const float got = y[t * rows + r];
+            ASSERT_LE(std::abs(got - ref[r]), static_cast<double>(cols) * 0x1p-24 * mag[r])
+                << n << " tokens " << rows << "×" << cols << " token " << t << " row " << r;
+            if (detail::has_gemm_lanes<float, W>(ks)) {
+              ASSERT_EQ(got, alone[r]) << n << " tokens " << rows << "×" << cols << " token " << t;
+            }
+            if (chain) {
+              ASSERT_EQ(got, fma_chain(w.data() + r * cols, xt, cols))
+                  << n << " tokens " << rows << "×" << cols << " token " << t << " row " << r;
+            }
+          }
+        }
+      }
+}
+
+TEST_P(KernelSetTest, GemmLanesIsOneFmaChainPerOutputWhateverTheBatch) {
+  check_gemm_lanes<float>(ks());
+}
+
+TEST_P(KernelSetTest, GemmLanesBf16IsBatchIndependent) { check_gemm_lanes<bf16>(ks()); }
+
 TEST_P(KernelSetTest, GemmPackedMatchesNaive) {
   if (!detail::has_gemm_packed<float, float>(ks()))
     GTEST_SKIP() << kernel_set_name(ks()) << " has no packed GEMM (Eigen's GEMM serves it)";
@@ -281,12 +344,14 @@ TEST_P(KernelSetTest, Bf16PathsRoundInputsToNearestEven) {
   }
 }
 
-/// linear_group at 1, 2 and 3 threads, one token (GEMV), a few (gemm_few) and more than
-/// kMaxFewTokens (gemm_cols, bf16 widened in panels): within the f32 bound of the naive loop
-/// over x rounded as the weight type's rule says; one token bit-identical at every thread count.
+/// linear_group at 1, 2 and 3 threads, one token (GEMV), a few (gemm_few, or gemm_lanes for
+/// FewTokenOrder::kLanes) and more than kMaxFewTokens (gemm_cols, bf16 widened in panels):
+/// within the f32 bound of the naive loop over x rounded as the weight type's rule says; one
+/// token, and a few in lanes, bit-identical at every thread count.
 template <class W>
-void check_linear_group(KernelSet ks) {
+void check_linear_group(KernelSet ks, detail::FewTokenOrder order) {
   const std::size_t in = 70;
+  const bool lanes = order == detail::FewTokenOrder::kLanes && detail::has_gemm_lanes<float, W>(ks);
   for (const std::size_t out : {1, 17, 130, 600})
     for (const std::size_t n : {1, 2, 5, 17}) {
       const auto w = random_vector<W>(out * in, out + n);
@@ -297,8 +362,8 @@ void check_linear_group(KernelSet ks) {
         std::vector<float> panels(threads * detail::kPanelRows * in), rounded(n * in);
         std::vector<float> y(n * out, std::numeric_limits<float>::quiet_NaN());
         detail::linear_group<float, W>({{y.data(), w.data(), out}}, x.data(), n, in, &pool,
-                                       {panels.data(), detail::kPanelRows * in, rounded.data()},
-                                       ks);
+                                       {panels.data(), detail::kPanelRows * in, rounded.data()}, ks,
+                                       order);
         if (threads == 1) one = y;
         for (std::size_t i = 0; i < n; ++i)
           for (std::size_t o = 0; o < out; ++o) {
@@ -313,16 +378,22 @@ void check_linear_group(KernelSet ks) {
             const float got = y[i * out + o];
             ASSERT_LE(std::abs(got - ref), static_cast<double>(in) * 0x1p-24 * mag)
                 << "n " << n << " out " << out << " threads " << threads;
-            if (n == 1) {
-              ASSERT_EQ(got, one[o]) << "out " << out << " threads " << threads;
+            if (n == 1 || (lanes && n <= detail::kMaxFewTokens)) {
+              ASSERT_EQ(got, one[i * out + o]) << "out " << out << " threads " << threads;
             }
           }
       }
     }
 }
 
-TEST_P(KernelSetTest, LinearGroupF32AtOneTwoThreeThreads) { check_linear_group<float>(ks()); }
-TEST_P(KernelSetTest, LinearGroupBf16AtOneTwoThreeThreads) { check_linear_group<bf16>(ks()); }
+TEST_P(KernelSetTest, LinearGroupF32AtOneTwoThreeThreads) {
+  check_linear_group<float>(ks(), detail::FewTokenOrder::kGemv);
+  check_linear_group<float>(ks(), detail::FewTokenOrder::kLanes);
+}
+TEST_P(KernelSetTest, LinearGroupBf16AtOneTwoThreeThreads) {
+  check_linear_group<bf16>(ks(), detail::FewTokenOrder::kGemv);
+  check_linear_group<bf16>(ks(), detail::FewTokenOrder::kLanes);
+}
 
 TEST_P(KernelSetTest, LinearGroupLargeGemvSplitsAcrossPoolBitIdentically) {
   const std::size_t in = 333, out = 1001;  // above kMinParallelWeights, odd sizes

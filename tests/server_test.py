@@ -3,10 +3,11 @@
 and by curl: health, completions (whole and streamed), a second chat turn that prefills only
 what is new, concurrent clients, a client that disconnects mid-stream (its blocks are freed),
 malformed requests; a server restarted on the same --prefix-dir that loads a prompt's blocks
-from disk (and skips a corrupt file); bad --prefix-* values. The server picks a free port
-(--port 0) and prints it; every wait is bounded.
+from disk (and skips a corrupt file); bad --prefix-* values; with --gpt2-model, a GGUF model of
+GPT-2's byte-level BPE vocabulary. The server picks a free port (--port 0) and prints it; every
+wait is bounded.
 
-usage: server_test.py SERVER_BINARY
+usage: server_test.py SERVER_BINARY [--gpt2-model FILE] [unittest arguments, e.g. a class]
 """
 import http.client
 import json
@@ -23,6 +24,7 @@ import unittest
 
 BINARY = None
 SERVER = None
+GPT2_MODEL = None  # --gpt2-model: a llama model with GPT-2's vocabulary (tests/CMakeLists.txt)
 BLOCK = 16
 MAX_BODY = 65536
 TIMEOUT = 30  # seconds, for any one HTTP exchange
@@ -72,9 +74,9 @@ def post(path, body, server=None):
     return request("POST", path, body, server=server)
 
 
-def stream(path, body):
+def stream(path, body, server=None):
     """The parsed events of a streamed completion, up to [DONE] (which must come)."""
-    conn = http.client.HTTPConnection("127.0.0.1", SERVER.port, timeout=TIMEOUT)
+    conn = http.client.HTTPConnection("127.0.0.1", (server or SERVER).port, timeout=TIMEOUT)
     conn.request("POST", path, body=json.dumps(dict(body, stream=True)),
                  headers={"Content-Type": "application/json"})
     resp = conn.getresponse()
@@ -404,8 +406,60 @@ class PrefixDirTest(unittest.TestCase):
         self.assertEqual(self.block_files(), [])
 
 
+@unittest.skipIf(GPT2_MODEL is None and "--gpt2-model" not in sys.argv,
+                 "no --gpt2-model (ctest runs it as server_http_gpt2_vocabulary)")
+class Gpt2VocabularyTest(unittest.TestCase):
+    """A GGUF llama model with GPT-2's byte-level BPE vocabulary (random weights, 50 257 tokens):
+    prompts and chat messages go through BPE, no BOS before them (llama.cpp's default for gpt2),
+    and a llama2.c tokenizer.bin cannot replace the vocabulary."""
+
+    PROMPT = "Hello world, it's 2024!"
+
+    @classmethod
+    def setUpClass(cls):
+        cls.server = Server(BINARY, ["-m", GPT2_MODEL])
+
+    @classmethod
+    def tearDownClass(cls):
+        assert cls.server.stop() == 0
+
+    def test_completion_of_a_bpe_prompt(self):
+        body = {"prompt": self.PROMPT, "max_tokens": 8, "temperature": 0}
+        status, answer = post("/v1/completions", body, server=self.server)
+        self.assertEqual(status, 200, answer)
+        # GPT-2's regex splits the prompt into 7 words (Hello, " world", ",", " it", "'s",
+        # " 2024", "!"), each one token of its vocabulary; a BOS would make 8.
+        self.assertEqual(answer["usage"]["prompt_tokens"], 7)
+        g = answer["usage"]["completion_tokens"]
+        self.assertTrue(1 <= g <= 8, answer)
+        text = answer["choices"][0]["text"]
+        self.assertNotEqual(text, "")
+        streamed = stream("/v1/completions", body, server=self.server)
+        self.assertEqual("".join(e["choices"][0]["text"] for e in streamed), text)
+
+    def test_chat_template_with_bpe_tokens(self):
+        body = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4,
+                "temperature": 0}
+        status, answer = post("/v1/chat/completions", body, server=self.server)
+        self.assertEqual(status, 200, answer)
+        # "Hello" (15496) and the newline token (198) that ends a message; no BOS.
+        self.assertEqual(answer["usage"]["prompt_tokens"], 2)
+        self.assertEqual(answer["choices"][0]["message"]["role"], "assistant")
+
+    def test_a_tokenizer_bin_is_refused(self):
+        out = subprocess.run([BINARY, "--port", "0", "-m", GPT2_MODEL, "--tokenizer", "t.bin"],
+                             capture_output=True, text=True, timeout=TIMEOUT)
+        self.assertEqual(out.returncode, 2, out.stderr)
+        self.assertTrue(out.stderr.startswith(
+            "server: --tokenizer 't.bin' is a llama2.c tokenizer.bin, but '%s' has a gpt2 "
+            "(byte-level BPE) vocabulary of its own; drop --tokenizer" % GPT2_MODEL), out.stderr)
+
+
 if __name__ == "__main__":
     BINARY = sys.argv.pop(1)
+    if len(sys.argv) > 2 and sys.argv[1] == "--gpt2-model":
+        GPT2_MODEL = sys.argv[2]
+        del sys.argv[1:3]
     SERVER = Server(BINARY)
     try:
         result = unittest.main(exit=False, verbosity=2).result

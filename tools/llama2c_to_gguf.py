@@ -4,6 +4,11 @@ architecture, written from the format description (ggml docs/gguf.md; docs/FORMA
 Standard library only.
 
   tools/llama2c_to_gguf.py model.bin out.gguf [--tokenizer tokenizer.bin] [--type q8_0]
+  tools/llama2c_to_gguf.py model.bin out.gguf --vocab-from ggml-vocab-gpt-2.gguf
+
+--vocab-from copies the tokenizer.* metadata of another GGUF file (e.g. llama.cpp's vocab-only
+files) byte for byte, so a checkpoint of that vocabulary size gets that vocabulary, of any
+tokenizer model ("llama" or "gpt2").
 
 --type stores the 2-D weights as f32, f16, bf16, q8_0 or q4_0 (the gains stay f32, as llama.cpp
 keeps them); a matrix whose rows are not whole 32-element blocks falls back to f16. Q and K rows
@@ -60,6 +65,52 @@ def read_checkpoint(path):
     cfg = dict(dim=dim, hidden_dim=hidden, n_layers=n_layers, n_heads=n_heads,
                n_kv_heads=n_kv_heads, vocab_size=vocab, seq_len=seq_len, kv_dim=kv_dim)
     return cfg, t
+
+
+# Sizes of the fixed-size GGUF value types (uint8 .. float64, bool), for skipping values.
+VALUE_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+def read_vocab_metadata(path):
+    """The tokenizer.* key-value pairs of a GGUF file, each as its encoded bytes (key, type and
+    value, as written in a GGUF header), and the number of tokens (tokenizer.ggml.tokens)."""
+    data = open(path, "rb").read()
+    magic, version, _, n_kv = struct.unpack_from("<IIQQ", data)
+    if magic != 0x46554747 or version not in (2, 3):
+        sys.exit(f"{path}: not a GGUF v2/v3 file")
+    pos = 24
+
+    def skip_string(at):
+        (n,) = struct.unpack_from("<Q", data, at)
+        return at + 8 + n
+
+    def skip_value(vtype, at):
+        if vtype == STRING:
+            return skip_string(at)
+        if vtype == ARRAY:
+            element, count = struct.unpack_from("<IQ", data, at)
+            at += 12
+            if element in VALUE_BYTES:
+                return at + count * VALUE_BYTES[element]
+            for _ in range(count):
+                at = skip_value(element, at)
+            return at
+        return at + VALUE_BYTES[vtype]
+
+    pairs, n_tokens = [], None
+    for _ in range(n_kv):
+        start = pos
+        key_end = skip_string(pos)
+        key = data[pos + 8:key_end].decode("utf-8")
+        (vtype,) = struct.unpack_from("<I", data, key_end)
+        pos = skip_value(vtype, key_end + 4)
+        if key.startswith("tokenizer."):
+            pairs.append((key, data[start:pos]))
+        if key == "tokenizer.ggml.tokens" and vtype == ARRAY:
+            n_tokens = struct.unpack_from("<Q", data, key_end + 8)[0]
+    if n_tokens is None:
+        sys.exit(f"{path}: no tokenizer.ggml.tokens array")
+    return pairs, n_tokens
 
 
 def read_tokenizer(path, vocab_size):
@@ -201,6 +252,12 @@ def main():
     ap.add_argument("checkpoint")
     ap.add_argument("output")
     ap.add_argument("--tokenizer", help="tokenizer.bin to store as tokenizer.ggml.* metadata")
+    ap.add_argument("--vocab-from", metavar="GGUF",
+                    help="copy the tokenizer.* metadata of this GGUF file; its token count must "
+                         "be the checkpoint's vocab_size")
+    ap.add_argument("--allow-vocab-mismatch", action="store_true",
+                    help="write --vocab-from's vocabulary even when its token count differs "
+                         "(a file readers refuse; for tests)")
     ap.add_argument("--type", default="f32", choices=sorted(GGML))
     ap.add_argument("--alignment", type=int, default=32, help="general.alignment (32: omitted)")
     ap.add_argument("--name", default="llama2c")
@@ -209,6 +266,8 @@ def main():
                          "(e.g. llama.rope.scaling.type=str:linear); for tests")
     args = ap.parse_args()
 
+    if args.tokenizer and args.vocab_from:
+        sys.exit("--tokenizer and --vocab-from both give the vocabulary; pass one")
     cfg, tensors = read_checkpoint(args.checkpoint)
     dim, hidden, kv_dim = cfg["dim"], cfg["hidden_dim"], cfg["kv_dim"]
     meta = [
@@ -241,6 +300,12 @@ def main():
             kv("tokenizer.ggml.add_bos_token", BOOL, True),
             kv("tokenizer.ggml.add_eos_token", BOOL, False),
         ]
+    if args.vocab_from:
+        pairs, n_tokens = read_vocab_metadata(args.vocab_from)
+        if n_tokens != cfg["vocab_size"] and not args.allow_vocab_mismatch:
+            sys.exit(f"{args.vocab_from}: {n_tokens} tokens, but {args.checkpoint} has vocab_size "
+                     f"{cfg['vocab_size']}")
+        meta += [encoded for _, encoded in pairs]
 
     types = {"u32": (UINT32, int), "i32": (INT32, int), "f32": (FLOAT32, float),
              "bool": (BOOL, lambda v: v == "true"), "str": (STRING, str)}

@@ -42,5 +42,6 @@
 #include "kvdecode/text/text_stream.hpp"
 #include "kvdecode/text/text_tokenizer.hpp"
 #include "kvdecode/text/tokenizer.hpp"
+#include "kvdecode/text/vocabulary.hpp"
 #include "kvdecode/thread_pool.hpp"
 #include "kvdecode/weight_blocks.hpp"

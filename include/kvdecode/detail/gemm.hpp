@@ -1,8 +1,9 @@
 // GEMM over a slice of output columns (= weight rows), y [n][out] = x [n][in] · wᵀ:
 //   gemm_cols  prefill: Eigen's GEMM on each thread's slice, bf16 weights widened panel by panel
 //              (x already rounded to bf16 by the caller: the rule in gemv.hpp);
-//   gemm_few   a few tokens (a batched decode step): each weight row streamed once for all
-//              tokens, every output summed exactly as the GEMV of the same set sums it.
+//   gemm_few   a few tokens of one sequence (a prefill chunk, a speculative verify pass): each
+//              weight row streamed once for all tokens, every output summed exactly as the GEMV
+//              of the same set sums it (batched steps use gemm_lanes.hpp instead).
 #pragma once
 
 #include <algorithm>

@@ -13,6 +13,7 @@
 #include "kvdecode/detail/cpu.hpp"
 #include "kvdecode/detail/gemm.hpp"
 #include "kvdecode/detail/gemm_amx.hpp"
+#include "kvdecode/detail/gemm_lanes.hpp"
 #include "kvdecode/detail/gemm_packed.hpp"
 #include "kvdecode/detail/gemv.hpp"
 #include "kvdecode/detail/qgemm.hpp"
@@ -39,6 +40,11 @@ struct LinearScratch {
   float* x_scales = nullptr;          // [n][in / 32] their scales (block-format W)
   std::int32_t* x_offsets = nullptr;  // [n][in / 4] −8 × each 4 codes' sum (block-format W)
 };
+
+/// How a projection of 2..kMaxFewTokens tokens sums each output: kGemv as that token's GEMV
+/// (gemm_few: one sequence's prefill, and so speculative verification, equals decode() bit for
+/// bit), kLanes one fma chain per output whatever the batch (gemm_lanes: batched steps).
+enum class FewTokenOrder { kGemv, kLanes };
 
 /// Below this many weights a projection runs on one thread: waking the pool (~1-2 µs) would
 /// cost more than the ~1 µs of work it shares out.
@@ -112,7 +118,8 @@ void linear_group_blocks(std::initializer_list<Projection<T, W>> ps, const T* x,
 /// wake-up covers q, k and v (or gate and up). Small projections stay on the caller.
 /// One token: run_row_chunks. Several tokens (GEMM, compute bound): a static split into one slice
 /// per thread (slices of 16 rows); up to kMaxFewTokens tokens with a gemm_few kernel, each weight
-/// row is streamed once for all of them and summed as the GEMV sums it; more tokens run Eigen's
+/// row is streamed once for all of them and summed as the GEMV sums it (or, for order kLanes,
+/// gemm_lanes with outputs in vector lanes); more tokens run Eigen's
 /// GEMM (gemm_cols), which packs the input once per call and wants large slices, unless this
 /// translation unit's Eigen is narrower than the set's kernels (eigen_gemm_as_wide): then
 /// gemm_packed. With bf16 weights and several tokens, x is rounded once into scratch.x_rounded for
@@ -121,7 +128,7 @@ void linear_group_blocks(std::initializer_list<Projection<T, W>> ps, const T* x,
 template <class T, class W>
 void linear_group_values(std::initializer_list<Projection<T, W>> ps, const T* x, std::size_t n,
                          std::size_t in, ThreadPool* pool, const LinearScratch<T>& scratch,
-                         KernelSet ks) {
+                         KernelSet ks, FewTokenOrder order) {
   std::size_t weights = 0;
   for (const Projection<T, W>& p : ps) weights += p.out * in;
   ThreadPool* const threads = weights >= kMinParallelWeights ? pool : nullptr;
@@ -145,6 +152,8 @@ void linear_group_values(std::initializer_list<Projection<T, W>> ps, const T* x,
     }
   }
   const bool few = has_gemm_few<T, W>(ks) && n <= kMaxFewTokens;
+  const bool lanes =
+      order == FewTokenOrder::kLanes && has_gemm_lanes<T, W>(ks) && n <= kMaxFewTokens;
   const bool packed = !few && has_gemm_packed<T, W>(ks) && !eigen_gemm_as_wide(ks);
   parallel_run(threads, [&](std::size_t t, std::size_t nt) {
     for (const Projection<T, W>& p : ps) {
@@ -157,6 +166,8 @@ void linear_group_values(std::initializer_list<Projection<T, W>> ps, const T* x,
       } else if (amx) {
         if constexpr (std::is_same_v<T, float> && std::is_same_v<W, bf16>)
           gemm_amx(p.y, xa, p.w, n, in, p.out, r0, r1, reinterpret_cast<bf16*>(panel));
+      } else if (lanes) {
+        gemm_lanes(ks, p.y, xg, p.w, n, in, p.out, r0, r1, panel);
       } else if (few) {
         gemm_few(ks, p.y, xg, p.w, n, in, p.out, r0, r1, panel);
       } else if (packed) {
@@ -174,11 +185,11 @@ void linear_group_values(std::initializer_list<Projection<T, W>> ps, const T* x,
 template <class T, class W>
 void linear_group(std::initializer_list<Projection<T, W>> ps, const T* x, std::size_t n,
                   std::size_t in, ThreadPool* pool, const LinearScratch<T>& scratch,
-                  KernelSet ks = active_kernel_set()) {
+                  KernelSet ks = active_kernel_set(), FewTokenOrder order = FewTokenOrder::kGemv) {
   if constexpr (kIsBlockFormat<W>) {
     linear_group_blocks(ps, x, n, in, pool, scratch, ks);
   } else {
-    linear_group_values(ps, x, n, in, pool, scratch, ks);
+    linear_group_values(ps, x, n, in, pool, scratch, ks, order);
   }
 }
 

@@ -1,7 +1,7 @@
 // The vocabulary of a GGUF file (tokenizer.ggml.* metadata): the "llama" model (SentencePiece:
 // pieces, scores, byte fallback <0xXX>) with llama2.c's layout as a Tokenizer, so run.c's encode
 // applies unchanged; the "gpt2" model (byte-level BPE with GPT-2's pre-tokenizer) as a
-// BpeTokenizer. docs/FORMATS.md §5.
+// BpeTokenizer; either as a Vocabulary with its special tokens. docs/FORMATS.md §5.
 #pragma once
 
 #include <algorithm>
@@ -16,6 +16,7 @@
 #include "kvdecode/io/gguf.hpp"
 #include "kvdecode/text/bpe_tokenizer.hpp"
 #include "kvdecode/text/tokenizer.hpp"
+#include "kvdecode/text/vocabulary.hpp"
 
 namespace kvdecode {
 
@@ -217,6 +218,27 @@ inline GgufBpeVocabulary gguf_bpe_vocabulary(const GgufFile& g) {
       ": tokenizer.ggml.add_eos_token is true but tokenizer.ggml.eos_token_id is missing");
   return {BpeTokenizer(tokens.strings, types, merges.strings, bos_id, eos_id, ctx), add_bos,
           add_eos};
+}
+
+/// A "llama" vocabulary as a Vocabulary: add_bos and add_eos as stored; BOS 1, EOS 2 (checked
+/// by gguf_vocabulary()); a generated BOS ends the text, as run.c (and this library for
+/// llama2.c checkpoints) stops.
+inline Vocabulary to_vocabulary(GgufVocabulary v) {
+  SpecialTokens s = SpecialTokens::run_c();
+  s.bos_id = v.bos_id;
+  s.eos_id = v.eos_id;
+  s.add_bos = v.add_bos;
+  s.add_eos = v.add_eos;
+  return Vocabulary(std::move(v.tokenizer), s);
+}
+
+/// A "gpt2" vocabulary as a Vocabulary: BOS and EOS ids, add_bos and add_eos as stored (BOS
+/// only where add_bos says so; llama.cpp's default for gpt2 is none); a generated EOS (GPT-2's
+/// <|endoftext|>) ends the text, or nothing does when the vocabulary has no EOS.
+inline Vocabulary to_vocabulary(GgufBpeVocabulary v) {
+  const SpecialTokens s{v.tokenizer.bos_id(), v.tokenizer.eos_id(), v.add_bos, v.add_eos,
+                        v.tokenizer.eos_id()};
+  return Vocabulary(std::move(v.tokenizer), s);
 }
 
 }  // namespace kvdecode

@@ -23,13 +23,28 @@ namespace kvdecode {
 
 enum class ModelFormat { kLlama2cCheckpoint, kGguf };
 
-/// What a model file holds: the weights, and the vocabulary when the file stores one.
+/// What a model file holds: the weights, and the vocabulary when the file stores one (at most
+/// one of the two is set; take_vocabulary() gives either as a Vocabulary).
 template <class T>
 struct LoadedModel {
   ModelFormat format = ModelFormat::kLlama2cCheckpoint;
   Weights<T> weights;
-  std::optional<GgufVocabulary> vocabulary;  ///< GGUF files with tokenizer.ggml.* metadata
+  std::optional<GgufVocabulary> vocabulary;         ///< tokenizer.ggml.model "llama"
+  std::optional<GgufBpeVocabulary> bpe_vocabulary;  ///< tokenizer.ggml.model "gpt2"
 };
+
+/// The file's vocabulary, of either kind, moved out of `loaded` as a Vocabulary
+/// (to_vocabulary(): its special tokens as stored); none for a llama2.c checkpoint or a GGUF file
+/// without tokenizer metadata.
+template <class T>
+std::optional<Vocabulary> take_vocabulary(LoadedModel<T>& loaded) {
+  std::optional<Vocabulary> out;
+  if (loaded.vocabulary) out.emplace(to_vocabulary(std::move(*loaded.vocabulary)));
+  if (loaded.bpe_vocabulary) out.emplace(to_vocabulary(std::move(*loaded.bpe_vocabulary)));
+  loaded.vocabulary.reset();
+  loaded.bpe_vocabulary.reset();
+  return out;
+}
 
 /// The format of `file` by its magic: "GGUF" is GGUF; anything else, and a file that cannot be
 /// read, is taken for a v0 checkpoint (which has no magic), whose loader then checks the file and
@@ -75,9 +90,11 @@ inline StoredWeights stored_weights(const std::filesystem::path& file,
 }
 
 /// Loads a GGUF file (io/gguf_model.hpp, with its vocabulary when tokenizer.ggml.model is
-/// present) or a llama2.c v0 checkpoint (io/checkpoint.hpp), into weights of type T, each under
-/// its format's limits. T may be a block format (Q8_0, Q4_0): a GGUF file's matrices stored in
-/// that type keep their blocks as stored, any other tensor (and a checkpoint's f32 weights) is
+/// present: "llama" through gguf_vocabulary(), "gpt2" through gguf_bpe_vocabulary(), whose
+/// errors apply, and one whose token count differs from the model's vocab_size is refused naming
+/// both) or a llama2.c v0 checkpoint (io/checkpoint.hpp), into weights of type T, each under its
+/// format's limits. T may be a block format (Q8_0, Q4_0): a GGUF file's matrices stored in that
+/// type keep their blocks as stored, any other tensor (and a checkpoint's f32 weights) is
 /// quantized on load; load_gguf_weights() names a tensor that cannot be converted.
 template <class T = float>
 LoadedModel<T> load_model(const std::filesystem::path& file, const GgufLimits& gguf_limits = {},
@@ -87,7 +104,19 @@ LoadedModel<T> load_model(const std::filesystem::path& file, const GgufLimits& g
   if (out.format == ModelFormat::kGguf) {
     const GgufFile g = GgufFile::open(file, gguf_limits);
     out.weights = load_gguf_weights<T>(g);
-    if (g.find("tokenizer.ggml.model")) out.vocabulary = gguf_vocabulary(g);
+    if (!g.find("tokenizer.ggml.model")) return out;
+    std::int64_t tokens = 0;
+    if (g.get_string("tokenizer.ggml.model") == "gpt2") {
+      tokens = out.bpe_vocabulary.emplace(gguf_bpe_vocabulary(g)).tokenizer.vocab_size();
+    } else {
+      tokens = out.vocabulary.emplace(gguf_vocabulary(g)).tokenizer.vocab_size();
+    }
+    // Every id the model can produce must decode, and every id the vocabulary gives must embed.
+    KVDECODE_CHECK(tokens == out.weights.config.vocab_size, g.context(),
+                   ": tokenizer.ggml.tokens holds ", tokens,
+                   " tokens but the model's vocab_size "
+                   "(rows of token_embd.weight) is ",
+                   out.weights.config.vocab_size);
     return out;
   }
   if constexpr (std::is_same_v<T, float>) {

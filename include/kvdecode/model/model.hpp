@@ -98,7 +98,10 @@ class Model {
   /// begin_append throws (a full store, an exhausted pool, a bad token), the appends already
   /// begun are cancelled and every store is left as it was. `stores` is any contiguous range
   /// of store pointers (a std::vector, a std::array, a span).
-  /// For B = 1 the arithmetic is decode()'s, so the logits are the same bit for bit.
+  /// For B = 1 the arithmetic is decode()'s, so the logits are the same bit for bit; for
+  /// 2 ≤ B ≤ 16 with f32 or bf16 weights on an x86 kernel set the projections sum in lanes
+  /// (detail/gemm_lanes.hpp): a sequence's logits are the same whatever batch it is in, and
+  /// within f32 rounding of decode()'s.
   template <class Stores, KvStore S = StoreOf<Stores>>
   std::span<const T> decode_batch(std::span<const std::int32_t> tokens, const Stores& stores,
                                   Activations<T>& act) const {
@@ -168,6 +171,7 @@ class Model {
   }
 
   enum class Phase { kPrefill, kDecode };
+  using Order = detail::FewTokenOrder;
 
   /// Every entry point: B = stores.size() sequences, sequence b running the next length(b)
   /// tokens (lengths[b]; one each for a batched decode; all of them for B = 1 unbatched) after
@@ -215,6 +219,9 @@ class Model {
                        " are the same store");
     }
     T* const out = batched ? act.batch_logits.data() : act.logits.data();  // [B][vocab]
+    // Batched steps sum each output of a few-token product in lanes, the same for a sequence
+    // whatever batch of 2..kMaxFewTokens rows it rides in; one sequence's calls as decode() does.
+    const Order order = batched ? Order::kLanes : Order::kGemv;
 
     std::size_t begun = 0;
     const auto cancel_begun = [&]() noexcept {
@@ -251,11 +258,12 @@ class Model {
           }
         }
         forward_layers(tokens.subspan(done, n), stores,
-                       std::span<const SequenceRows>(act.sequence_rows.data(), n_parts), act);
+                       std::span<const SequenceRows>(act.sequence_rows.data(), n_parts), act,
+                       order);
         if (!all_logits.empty()) {  // every row's logits
           T* chunk_logits = all_logits.data() + done * vocab;
           detail::rmsnorm(act.xb.data(), act.x.data(), gain_final(), n, dim, cfg.norm_eps);
-          linear_group({{chunk_logits, w_.classifier(), vocab}}, act.xb.data(), n, dim, act);
+          linear_group({{chunk_logits, w_.classifier(), vocab}}, act.xb.data(), n, dim, act, order);
           if (done + n == total) std::copy_n(chunk_logits + (n - 1) * vocab, vocab, out);
           ++work.logit_chunks;
         } else if (ending_first < b) {
@@ -271,7 +279,7 @@ class Model {
             ++k;
           }
           linear_group({{out + ending_first * vocab, w_.classifier(), vocab}}, act.xb.data(), k,
-                       dim, act);
+                       dim, act, order);
           ++work.logit_chunks;
         }
         done += n;
@@ -300,11 +308,11 @@ class Model {
   /// every row in act.x [n][dim]. K/V rows go to each part's store at its pending offset.
   template <KvStore S>
   void forward_layers(std::span<const std::int32_t> tokens, std::span<S* const> stores,
-                      std::span<const SequenceRows> parts, Activations<T>& act) const {
+                      std::span<const SequenceRows> parts, Activations<T>& act, Order order) const {
     embed(tokens, stores, parts, act);
     for (std::size_t l = 0; l < w_.layers.size(); ++l) {
-      attention_block(l, tokens.size(), stores, parts, act);
-      ffn_block(l, tokens.size(), act);
+      attention_block(l, tokens.size(), stores, parts, act, order);
+      ffn_block(l, tokens.size(), act, order);
     }
   }
 
@@ -336,7 +344,8 @@ class Model {
   /// to itself.
   template <KvStore S>
   void attention_block(std::size_t l, std::size_t n, std::span<S* const> stores,
-                       std::span<const SequenceRows> parts, Activations<T>& act) const {
+                       std::span<const SequenceRows> parts, Activations<T>& act,
+                       Order order) const {
     const ModelConfig& cfg = w_.config;
     const LayerWeights<W>& lw = w_.layers[l];
     const auto dim = static_cast<std::size_t>(cfg.dim);
@@ -350,7 +359,7 @@ class Model {
     linear_group({{act.q.data(), lw.wq.data(), dim},
                   {act.k.data(), lw.wk.data(), kv_dim},
                   {act.v.data(), lw.wv.data(), kv_dim}},
-                 act.xb.data(), n, dim, act);
+                 act.xb.data(), n, dim, act, order);
     for (const SequenceRows& part : parts) {
       S& cache = *stores[part.seq];
       for (std::size_t i = part.row; i < part.row + part.rows; ++i) {
@@ -392,12 +401,12 @@ class Model {
       });
     }
 
-    linear_group({{act.xb.data(), lw.wo.data(), dim}}, act.att.data(), n, dim, act);
+    linear_group({{act.xb.data(), lw.wo.data(), dim}}, act.att.data(), n, dim, act, order);
     add_into(act.x.data(), act.xb.data(), n * dim);
   }
 
   /// x += w2 · (silu(w1 · norm(x)) ⊙ w3 · norm(x)) for the n rows of layer l (SwiGLU).
-  void ffn_block(std::size_t l, std::size_t n, Activations<T>& act) const {
+  void ffn_block(std::size_t l, std::size_t n, Activations<T>& act, Order order) const {
     const ModelConfig& cfg = w_.config;
     const LayerWeights<W>& lw = w_.layers[l];
     const auto dim = static_cast<std::size_t>(cfg.dim);
@@ -405,9 +414,9 @@ class Model {
     detail::rmsnorm(act.xb.data(), act.x.data(), gain_ffn(l), n, dim, cfg.norm_eps);
     // gate and up read the same input: one parallel region for both.
     linear_group({{act.hb.data(), lw.w1.data(), hidden}, {act.hb2.data(), lw.w3.data(), hidden}},
-                 act.xb.data(), n, dim, act);
+                 act.xb.data(), n, dim, act, order);
     detail::swiglu(act.hb.data(), act.hb2.data(), n * hidden);
-    linear_group({{act.xb.data(), lw.w2.data(), dim}}, act.hb.data(), n, hidden, act);
+    linear_group({{act.xb.data(), lw.w2.data(), dim}}, act.hb.data(), n, hidden, act, order);
     add_into(act.x.data(), act.xb.data(), n * dim);
   }
 
@@ -415,10 +424,11 @@ class Model {
 
   /// The projections sharing input x [n][in], on act's pool and scratch (detail/linear.hpp).
   static void linear_group(std::initializer_list<Projection> ps, const T* x, std::size_t n,
-                           std::size_t in, Activations<T>& act) {
+                           std::size_t in, Activations<T>& act, Order order) {
     detail::linear_group<T, W>(ps, x, n, in, act.pool,
                                {act.panels.data(), act.panel_stride, act.x_rounded.data(),
-                                act.x_codes.data(), act.x_scales.data(), act.x_offsets.data()});
+                                act.x_codes.data(), act.x_scales.data(), act.x_offsets.data()},
+                               active_kernel_set(), order);
   }
 
   /// out [count] = in widened to T; for a block format in holds count / 32 blocks.
