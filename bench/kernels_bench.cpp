@@ -1,8 +1,9 @@
 // The projection kernels alone, each beside its baseline: the GEMV of every kernel set this CPU
 // runs against Eigen's (f32) and the portable loop (bf16), on the 110M classifier's shape
 // (32000 × 768, 98 MB of f32, 3× the L3, so every call streams from DRAM), at 1 and 2 threads;
-// the threaded GEMM of prefill on a 110M FFN shape; and a batched step's few-token kernels
-// (gemm_few, gemm_lanes) in L2 and streaming. Before any timing, every set's GEMV and
+// the threaded GEMM of prefill on a 110M FFN shape; a batched step's few-token kernels
+// (gemm_few, gemm_lanes) in L2 and streaming; and, where the CPU has AMX, the AMX GEMM with
+// per-call and pre-packed weight panels beside gemm_few. Before any timing, every set's GEMV and
 // GEMM are checked against the naive loop on odd sizes (every masked tail), and each timed
 // kernel on its own shape.
 #include <benchmark/benchmark.h>
@@ -184,6 +185,63 @@ void BM_Gemm(benchmark::State& state) {
       flops * static_cast<double>(state.iterations()) * 1e-9, benchmark::Counter::kIsRate);
 }
 
+/// The AMX GEMM alone, one thread, n tokens × (out, in): each weight panel re-laid for the B
+/// tiles per call (prepacked 0, what prefill runs), or the matrix re-laid once beforehand
+/// (prepacked 1: what keeping a second, packed copy of the weights would give). Weights stay
+/// in L2 / L3 between calls: the arithmetic, not the stream from memory.
+void BM_GemmAmx(benchmark::State& state) {
+  if (!cpu_supports_amx()) {
+    state.SkipWithError("this CPU lacks AMX-BF16 or the OS refused the tiles");
+    return;
+  }
+  const auto n = static_cast<std::size_t>(state.range(0));
+  const auto out = static_cast<std::size_t>(state.range(1));
+  const auto in = static_cast<std::size_t>(state.range(2));
+  const bool prepacked = state.range(3) != 0;
+  const AlignedBuffer<bf16> w = random_buffer<bf16>(out * in, 3);
+  const AlignedBuffer<float> x = random_buffer<float>(n * in, 4);
+  AlignedBuffer<float> y(n * out);
+  AlignedBuffer<bf16> a(n * detail::amx_lda(in));
+  AlignedBuffer<bf16> panel(detail::kAmxPanelRows * detail::amx_lda(in));
+  AlignedBuffer<bf16> packed(detail::amx_packed_size(out, in));
+  detail::pack_weights_amx(packed.data(), w.data(), out, in);
+  for (auto _ : state) {
+    detail::pack_x_amx(a.data(), x.data(), n, in);
+    detail::gemm_amx(y.data(), a.data(), w.data(), n, in, out, 0, out, panel.data(),
+                     prepacked ? packed.data() : nullptr);
+    benchmark::DoNotOptimize(y.data());
+  }
+  check_against_naive(y.data(), w.data(), x.data(), std::min<std::size_t>(n, 4), out, in,
+                      "AMX GEMM");
+  const double flops = 2.0 * static_cast<double>(n * in * out);
+  state.counters["GFLOP/s"] = benchmark::Counter(
+      flops * static_cast<double>(state.iterations()) * 1e-9, benchmark::Counter::kIsRate);
+}
+
+/// The same products with the avx512bf16 set's gemm_few (batched decode's kernel), x rounded
+/// per call as linear_group rounds it.
+void BM_GemmFewBf16(benchmark::State& state) {
+  if (!cpu_supports(KernelSet::kAvx512Bf16)) {
+    state.SkipWithError("this CPU lacks AVX512_BF16");
+    return;
+  }
+  const auto n = static_cast<std::size_t>(state.range(0));
+  const auto out = static_cast<std::size_t>(state.range(1));
+  const auto in = static_cast<std::size_t>(state.range(2));
+  const AlignedBuffer<bf16> w = random_buffer<bf16>(out * in, 3);
+  const AlignedBuffer<float> x = random_buffer<float>(n * in, 4);
+  AlignedBuffer<float> y(n * out), rounded(n * in);
+  for (auto _ : state) {
+    detail::round_to_bf16(x.data(), rounded.data(), n * in);
+    detail::gemm_few<float, bf16>(KernelSet::kAvx512Bf16, y.data(), rounded.data(), w.data(), n, in,
+                                  out, 0, out, nullptr);
+    benchmark::DoNotOptimize(y.data());
+  }
+  const double flops = 2.0 * static_cast<double>(n * in * out);
+  state.counters["GFLOP/s"] = benchmark::Counter(
+      flops * static_cast<double>(state.iterations()) * 1e-9, benchmark::Counter::kIsRate);
+}
+
 /// A batched step's projection, one thread, the active set: range(0) tokens through gemm_few
 /// (range(1) = 0, each output summed as the GEMV) or gemm_lanes (1, outputs in lanes), on a
 /// 512 × 512 block that stays in L2 (range(2) = 0) or the 15M classifier, 32000 × 288 (37 MB,
@@ -232,6 +290,19 @@ BENCHMARK_TEMPLATE(BM_Gemv, bf16)
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK_TEMPLATE(BM_Gemm, float)->Arg(1)->Arg(2)->UseRealTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK_TEMPLATE(BM_Gemm, bf16)->Arg(1)->Arg(2)->UseRealTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_GemmAmx)  // 128 tokens through the projections of the 15M, 42M and 110M shapes
+    ->ArgsProduct({{128}, {288, 768}, {288, 768}, {0, 1}})
+    ->ArgsProduct({{128}, {512, 1376}, {512, 1376}, {0, 1}})
+    ->ArgsProduct({{128}, {768, 2048}, {768, 2048}, {0, 1}})
+    ->ArgsProduct({{4, 8, 16}, {768, 2048}, {768}, {0}})  // batched-decode sizes
+    ->ArgNames({"n", "out", "in", "prepacked"})
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_GemmFewBf16)
+    ->ArgsProduct({{4, 8, 16}, {768, 2048}, {768}})
+    ->ArgNames({"n", "out", "in"})
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_FewTokens)
     ->ArgsProduct({{2, 4, 16}, {0, 1}, {0, 1}})
     ->ArgNames({"n", "lanes", "classifier"})

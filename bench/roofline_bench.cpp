@@ -1,5 +1,6 @@
 // Decode and prefill of the 15M / 42M / 110M shapes at 1 and 2 threads with f32, bf16, q8_0 and
-// q4_0 weights (the four interleaved at each shape and thread count), against rooflines
+// q4_0 weights (the four interleaved at each shape and thread count; prefill also bf16 with AMX
+// turned off, where the CPU has AMX, as bf16_noamx), against rooflines
 // measured in the same run: a read-bandwidth probe (sum of a 512 MiB array) for decode, the f32
 // FMA peak for prefill.
 //
@@ -209,8 +210,10 @@ struct Models {
   std::unique_ptr<Model<float>> f32;
 };
 
-enum class WeightType { kF32, kBf16, kQ8_0, kQ4_0 };
-constexpr const char* kWeightTypeNames[] = {"f32", "bf16", "q8_0", "q4_0"};
+/// kBf16NoAmx: the bf16 model with AMX turned off (prefill only, where the CPU has AMX), to
+/// compare the tiles with the avx512bf16 set's own kernels in the same run.
+enum class WeightType { kF32, kBf16, kQ8_0, kQ4_0, kBf16NoAmx };
+constexpr const char* kWeightTypeNames[] = {"f32", "bf16", "q8_0", "q4_0", "bf16_noamx"};
 
 Models& models(std::size_t shape) {
   static std::map<std::size_t, Models> cache;
@@ -231,6 +234,7 @@ void with_model(std::size_t shape, WeightType wt, Fn&& fn) {
   Models& m = models(shape);
   switch (wt) {
     case WeightType::kBf16:
+    case WeightType::kBf16NoAmx:
       return fn(*m.bf);
     case WeightType::kQ8_0:
       return fn(*m.q8);
@@ -332,7 +336,11 @@ void BM_ShapeDecode(benchmark::State& state, std::size_t shape, std::size_t thre
 
 void BM_ShapePrefill(benchmark::State& state, std::size_t shape, std::size_t threads,
                      WeightType wt) {
+  const bool amx = amx_enabled();
+  if (wt == WeightType::kBf16NoAmx) force_amx(false);
   with_model(shape, wt, [&](const auto& m) { prefill_loop(state, m, threads); });
+  force_amx(amx);
+  state.SetLabel(wt == WeightType::kBf16 && amx ? "amx" : "");
 }
 
 /// A decode step at several contexts (42M, f32): the slope of time over T should be the K/V
@@ -365,9 +373,11 @@ int main(int argc, char** argv) {
             ->Unit(benchmark::kMillisecond)
             ->UseRealTime();
       }
+  std::vector<WeightType> prefill_types(std::begin(kTypes), std::end(kTypes));
+  if (cpu_supports_amx()) prefill_types.push_back(WeightType::kBf16NoAmx);
   for (std::size_t s = 0; s < shapes().size(); ++s)
     for (const std::size_t t : {1, 2})
-      for (const WeightType wt : kTypes) {
+      for (const WeightType wt : prefill_types) {
         const std::string suffix = std::string("/") + shapes()[s].name + "/" +
                                    kWeightTypeNames[static_cast<int>(wt)] +
                                    "/threads:" + std::to_string(t);

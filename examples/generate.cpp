@@ -734,7 +734,10 @@ int generate_with(const Run& run, const kvdecode::Model<float, W>& model, S& cac
                run.src.stored == format ? "as stored"
                                         : ("converted on load from " + run.src.stored).c_str());
   std::fprintf(out, "load               %.2f ms (weights and tokenizer)\n", run.src.load_ms);
-  std::fprintf(out, "kernels            %s\n", active_kernel_set_name());
+  const bool amx =
+      std::is_same_v<W, bf16> && active_kernel_set() == KernelSet::kAvx512Bf16 && amx_enabled();
+  std::fprintf(out, "kernels            %s%s\n", active_kernel_set_name(),
+               amx ? ", prefill on AMX tiles" : "");
   std::fprintf(out, "KV store           %s, %zu bytes reserved for %s\n", describe(cache).c_str(),
                cache.memory_bytes(), reserved_for(cache).c_str());
   {

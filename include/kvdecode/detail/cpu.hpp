@@ -1,7 +1,9 @@
 // The kernel sets: which instruction-set kernels the projections and (de)quantization run with,
 // chosen once at run time from what the CPU supports, so a binary built without -march flags
 // still runs the AVX-512 kernels. All sets are compiled into every binary (GCC/Clang target
-// attributes); KVDECODE_ISA or force_kernel_set() picks another supported set.
+// attributes); KVDECODE_ISA or force_kernel_set() picks another supported set. AMX tiles, for
+// prefill with bf16 weights, come on top of the avx512bf16 set with a switch of their own
+// (KVDECODE_AMX, force_amx()).
 #pragma once
 
 #include <array>
@@ -19,8 +21,19 @@
 #define KVDECODE_TARGET_AVX512 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl")))
 #define KVDECODE_TARGET_AVX512BF16 \
   __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512bf16,avx512vnni")))
+#define KVDECODE_TARGET_AMX                                                            \
+  __attribute__((                                                                      \
+      target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512bf16,avx512vnni,amx-tile," \
+             "amx-bf16")))
 #else
 #define KVDECODE_X86_KERNELS 0
+#endif
+
+// AMX tiles exist in 64-bit mode only (GCC declares their intrinsics for x86-64 alone).
+#if KVDECODE_X86_KERNELS && defined(__x86_64__)
+#define KVDECODE_AMX_KERNELS 1
+#else
+#define KVDECODE_AMX_KERNELS 0
 #endif
 
 // GCC 12 reports its own intrinsics' deliberately undefined vectors (_mm512_undefined_*) as
@@ -41,6 +54,10 @@
 
 #if KVDECODE_X86_KERNELS
 #include <cpuid.h>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 KVDECODE_INTRINSICS_BEGIN
 #include <immintrin.h>
 KVDECODE_INTRINSICS_END
@@ -154,6 +171,83 @@ inline void force_kernel_set(KernelSet s) {
   KVDECODE_CHECK(cpu_supports(s), "force_kernel_set: this CPU cannot run the ", kernel_set_name(s),
                  " kernels; the best set it supports is ", kernel_set_name(best_kernel_set()));
   detail::kernel_set_slot().store(s, std::memory_order_relaxed);
+}
+
+// ---------------------------------------------------------------------------------------------
+// AMX: tile registers and a bf16 tile dot product, used on top of the avx512bf16 set.
+// ---------------------------------------------------------------------------------------------
+
+namespace detail {
+
+/// CPUID: AMX-TILE and AMX-BF16 (leaf 7, EDX bits 24 and 22) with palette 1 holding 8 tiles of
+/// 16 rows × 64 bytes (leaf 0x1D); then, on Linux, the process's permission to use the tile
+/// data state (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA, feature 18), which the kernel
+/// grants to the whole process. Anything missing or refused is false, not an error.
+inline bool probe_amx_bf16() {
+#if KVDECODE_AMX_KERNELS && defined(__linux__) && defined(SYS_arch_prctl)
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) == 0) return false;
+  if ((edx & (1u << 24)) == 0 || (edx & (1u << 22)) == 0) return false;
+  if (__get_cpuid_max(0, nullptr) < 0x1D) return false;
+  __cpuid_count(0x1D, 0, eax, ebx, ecx, edx);
+  if (eax < 1) return false;  // highest palette
+  __cpuid_count(0x1D, 1, eax, ebx, ecx, edx);
+  if ((ebx >> 16) < 8 || (ebx & 0xFFFFu) < 64 || (ecx & 0xFFFFu) < 16) return false;
+  if (!cpu_supports(KernelSet::kAvx512Bf16)) return false;
+  constexpr long kArchGetXcompPerm = 0x1022;
+  constexpr long kArchReqXcompPerm = 0x1023;
+  constexpr long kXfeatureXtiledata = 18;
+  if (syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) != 0) return false;
+  unsigned long long permitted = 0;
+  if (syscall(SYS_arch_prctl, kArchGetXcompPerm, &permitted) != 0) return false;
+  return (permitted & (1ull << kXfeatureXtiledata)) != 0;
+#else
+  return false;
+#endif
+}
+
+}  // namespace detail
+
+/// Whether this CPU has AMX-BF16 and the OS lets this process use its tiles (asked once, on the
+/// first call, thread-safe).
+inline bool cpu_supports_amx() {
+  static const bool ok = detail::probe_amx_bf16();
+  return ok;
+}
+
+namespace detail {
+
+/// KVDECODE_AMX=0 or off turns AMX off, 1 or on asks for it (an Error where it is unavailable);
+/// unset, AMX is used where available.
+inline bool amx_from_environment() {
+  const char* env = std::getenv("KVDECODE_AMX");
+  if (env == nullptr || *env == '\0') return cpu_supports_amx();
+  const std::string_view v(env);
+  if (v == "0" || v == "off") return false;
+  KVDECODE_CHECK(v == "1" || v == "on", "KVDECODE_AMX=", env, ": expected 0, off, 1 or on");
+  KVDECODE_CHECK(cpu_supports_amx(), "KVDECODE_AMX=", env,
+                 ": this CPU or OS does not let the process use AMX-BF16 tiles");
+  return true;
+}
+
+inline std::atomic<bool>& amx_slot() {
+  static std::atomic<bool> slot{amx_from_environment()};
+  return slot;
+}
+
+}  // namespace detail
+
+/// Whether prefill-sized projections of bf16 weights run on AMX tiles while the avx512bf16 set
+/// is active: where available unless KVDECODE_AMX=0 or force_amx(false). Results differ from the
+/// set's own kernels only in f32 summation order.
+inline bool amx_enabled() { return detail::amx_slot().load(std::memory_order_relaxed); }
+
+/// Turns AMX on or off process-wide (tests, benchmarks comparing both). Throws Error, changing
+/// nothing, when asked for AMX where cpu_supports_amx() is false.
+inline void force_amx(bool on) {
+  KVDECODE_CHECK(!on || cpu_supports_amx(),
+                 "force_amx: this CPU or OS does not let the process use AMX-BF16 tiles");
+  detail::amx_slot().store(on, std::memory_order_relaxed);
 }
 
 }  // namespace kvdecode

@@ -12,6 +12,7 @@
 #include "kvdecode/bf16.hpp"
 #include "kvdecode/detail/cpu.hpp"
 #include "kvdecode/detail/gemm.hpp"
+#include "kvdecode/detail/gemm_amx.hpp"
 #include "kvdecode/detail/gemm_lanes.hpp"
 #include "kvdecode/detail/gemm_packed.hpp"
 #include "kvdecode/detail/gemv.hpp"
@@ -122,7 +123,8 @@ void linear_group_blocks(std::initializer_list<Projection<T, W>> ps, const T* x,
 /// GEMM (gemm_cols), which packs the input once per call and wants large slices, unless this
 /// translation unit's Eigen is narrower than the set's kernels (eigen_gemm_as_wide): then
 /// gemm_packed. With bf16 weights and several tokens, x is rounded once into scratch.x_rounded for
-/// every thread (the rule in gemv.hpp).
+/// every thread (the rule in gemv.hpp); more than kMaxFewTokens run on AMX tiles where
+/// amx_applies (gemm_amx.hpp), x rounded to bf16 rows in that scratch.
 template <class T, class W>
 void linear_group_values(std::initializer_list<Projection<T, W>> ps, const T* x, std::size_t n,
                          std::size_t in, ThreadPool* pool, const LinearScratch<T>& scratch,
@@ -137,9 +139,14 @@ void linear_group_values(std::initializer_list<Projection<T, W>> ps, const T* x,
                    });
     return;
   }
-  const T* xg = x;  // the GEMMs' input
+  const bool amx = n > kMaxFewTokens && amx_applies<T, W>(ks, in);
+  const T* xg = x;     // the GEMMs' input
+  bf16* xa = nullptr;  // [n][amx_lda(in)] x rounded for the AMX tiles, in x_rounded's place
   if constexpr (!std::is_same_v<T, W>) {
-    if (n > 1) {
+    if (amx) {
+      xa = reinterpret_cast<bf16*>(scratch.x_rounded);
+      if constexpr (std::is_same_v<T, float>) pack_x_amx(xa, x, n, in);
+    } else if (n > 1) {
       round_to_bf16(x, scratch.x_rounded, n * in);
       xg = scratch.x_rounded;
     }
@@ -156,6 +163,9 @@ void linear_group_values(std::initializer_list<Projection<T, W>> ps, const T* x,
           scratch.panels == nullptr ? nullptr : scratch.panels + t * scratch.panel_stride;
       if (n == 1) {
         gemv_rows(ks, p.y, p.w, x, r0, r1, in);
+      } else if (amx) {
+        if constexpr (std::is_same_v<T, float> && std::is_same_v<W, bf16>)
+          gemm_amx(p.y, xa, p.w, n, in, p.out, r0, r1, reinterpret_cast<bf16*>(panel));
       } else if (lanes) {
         gemm_lanes(ks, p.y, xg, p.w, n, in, p.out, r0, r1, panel);
       } else if (few) {
