@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Load benchmark of the HTTP server on the loopback (standard library only).
 
-N concurrent clients (asyncio tasks of one thread) each send R streamed /v1/completions requests
-one after another: a shared system prompt of about 256 tokens, then a question of its own. Three server set-ups, each
+N concurrent clients each send R streamed /v1/completions requests one after another: a shared
+system prompt of about 256 tokens, then a question of its own. Three server set-ups, each
 started fresh on a free port: batched with the prefix cache, batched without it, and one request
 at a time (--max-running 1, prefix cache on). Before the clients start, one request warms the
 server up (and, with the cache, computes the system prompt once). Client-side times: TTFT is
@@ -20,7 +20,6 @@ usage: tools/load_bench.py build/release/examples/server [--clients 16] [--reque
        tools/load_bench.py build/release/examples/server --prefix-restart [--repeat 5]
 """
 import argparse
-import asyncio
 import http.client
 import json
 import os
@@ -30,6 +29,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 SYSTEM_WORDS = (
@@ -89,50 +89,25 @@ def get(port, path, timeout):
     return data
 
 
-async def streamed_async(port, body, timeout):
-    """One streamed request on its own connection: (ttft_s, [gaps between text events in s],
-    completion_tokens, prompt_tokens, cached_tokens). The clients are asyncio tasks of one
-    thread, so the measuring side adds no thread switches or interpreter-lock hand-offs to a
-    machine it shares with the server."""
-    payload = json.dumps(dict(body, stream=True)).encode()
+def streamed(port, body, timeout):
+    """(ttft_s, [inter-token gaps in s], completion_tokens, prompt_tokens, cached_tokens)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     t0 = time.perf_counter()
-    reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), timeout)
-    try:
-        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-                     b"Content-Type: application/json\r\nConnection: close\r\n"
-                     b"Content-Length: %d\r\n\r\n" % len(payload) + payload)
-        await writer.drain()
-        status = await asyncio.wait_for(reader.readline(), timeout)
-        if b" 200 " not in status:
-            raise RuntimeError("HTTP status %r" % status)
-        chunked = False
-        while True:
-            line = await asyncio.wait_for(reader.readline(), timeout)
-            if line in (b"\r\n", b""):
+    conn.request("POST", "/v1/completions", body=json.dumps(dict(body, stream=True)))
+    resp = conn.getresponse()
+    times, usage = [], None
+    for raw in resp:
+        line = raw.decode().strip()
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            if line == "data: [DONE]":
                 break
-            if line.lower().startswith(b"transfer-encoding:") and b"chunked" in line.lower():
-                chunked = True
-        if not chunked:
-            raise RuntimeError("the event stream is not chunked")
-        times, usage, pending = [], None, b""
-        while True:
-            size = int((await asyncio.wait_for(reader.readline(), timeout)).strip(), 16)
-            if size == 0:
-                break
-            pending += await asyncio.wait_for(reader.readexactly(size + 2), timeout)
-            pending = pending[:-2]  # the chunk's CRLF
-            *events, pending = pending.split(b"\n\n")
-            for ev in events:
-                ev = ev.strip()
-                if not ev.startswith(b"data: ") or ev == b"data: [DONE]":
-                    continue
-                event = json.loads(ev[6:])
-                if event["choices"][0]["text"]:
-                    times.append(time.perf_counter())
-                if "usage" in event:
-                    usage = event["usage"]
-    finally:
-        writer.close()
+            continue
+        event = json.loads(line[6:])
+        if event["choices"][0]["text"]:
+            times.append(time.perf_counter())
+        if "usage" in event:
+            usage = event["usage"]
+    conn.close()
     gaps = [b - a for a, b in zip(times, times[1:])]
     return (times[0] - t0, gaps, usage["completion_tokens"], usage["prompt_tokens"],
             usage["prompt_tokens_details"]["cached_tokens"])
@@ -174,24 +149,29 @@ def run(binary, name, args, opts, system):
              opts.timeout)  # warm-up
         warm = get(server.port, "/metrics", opts.timeout)
         results, errors = [], []
+        lock = threading.Lock()
 
-        async def client(c):
+        def client(c):
             for r in range(opts.requests):
                 q = QUESTIONS[(c + r) % len(QUESTIONS)] + " (%d.%d)" % (c, r)
                 try:
-                    results.append(await streamed_async(
-                        server.port, {"prompt": system + "\n" + q, "max_tokens": opts.max_tokens,
-                                      "temperature": 0.8, "seed": 1 + c * 100 + r, "stop": []},
-                        opts.timeout))
+                    res = streamed(server.port, {"prompt": system + "\n" + q,
+                                                 "max_tokens": opts.max_tokens,
+                                                 "temperature": 0.8, "seed": 1 + c * 100 + r,
+                                                 "stop": []}, opts.timeout)
+                    with lock:
+                        results.append(res)
                 except Exception as e:  # counted and reported
-                    errors.append(repr(e))
+                    with lock:
+                        errors.append(repr(e))
 
-        async def clients():
-            await asyncio.gather(*(client(c) for c in range(opts.clients)))
-
+        threads = [threading.Thread(target=client, args=(c,)) for c in range(opts.clients)]
         cpu0 = cpu_seconds(server.proc.pid), cpu_seconds(None)
         t0 = time.perf_counter()
-        asyncio.run(clients())
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
         wall = time.perf_counter() - t0
         server_cpu = cpu_seconds(server.proc.pid) - cpu0[0]
         client_cpu = cpu_seconds(None) - cpu0[1]
