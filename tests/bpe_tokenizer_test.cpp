@@ -28,6 +28,7 @@
 #include "kvdecode/text/text_stream.hpp"
 #include "kvdecode/text/text_tokenizer.hpp"
 #include "kvdecode/text/tokenizer.hpp"
+#include "test_util.hpp"
 
 namespace kvdecode {
 namespace {
@@ -36,14 +37,7 @@ namespace fs = std::filesystem;
 using ::testing::HasSubstr;
 using testing_util::read_text;
 
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no Error thrown)";
-}
+using testing_util::error_of;
 
 // GPT-2's byte characters written out from the rule (printable Latin-1 bytes stand for
 // themselves, the others for U+0100.. in byte order), independently of kGpt2ByteChars.

@@ -65,14 +65,7 @@ void put_u64(std::vector<std::byte>& b, std::uint64_t at, std::uint64_t v) {
     b[at + static_cast<std::uint64_t>(k)] = static_cast<std::byte>(v >> (8 * k));
 }
 
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no Error thrown)";
-}
+using testing_util::error_of;
 
 // ---------------------------------------------------------------------------------------------
 // The container, on llama.cpp's vocabulary file (written by gguf-py, not by this project)

@@ -13,19 +13,14 @@
 #include <string_view>
 #include <vector>
 
+#include "test_util.hpp"
+
 namespace kvdecode {
 namespace {
 
 using ::testing::HasSubstr;
 
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no Error thrown)";
-}
+using testing_util::error_of;
 
 // GPT-2's byte characters, written from bytes_to_unicode(): bytes '!'..'~', 0xA1..0xAC and
 // 0xAE..0xFF stand for themselves, the other 68 for U+0100.. in byte order.
