@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "fixture_files.hpp"
+#include "gpt2_bytes.hpp"
 #include "kvdecode/io/gguf.hpp"
 #include "kvdecode/io/gguf_tokenizer.hpp"
 #include "kvdecode/text/text_stream.hpp"
@@ -39,28 +40,9 @@ using testing_util::read_text;
 
 using testing_util::error_of;
 
-// GPT-2's byte characters written out from the rule (printable Latin-1 bytes stand for
-// themselves, the others for U+0100.. in byte order), independently of kGpt2ByteChars.
-std::string byte_char(unsigned char b) {
-  static const std::vector<std::string> table = [] {
-    std::vector<std::string> t(256);
-    int next = 256;
-    for (int c = 0; c < 256; ++c) {
-      const bool keep = (c >= '!' && c <= '~') || (c >= 0xA1 && c <= 0xAC) || c >= 0xAE;
-      const int cp = keep ? c : next++;
-      std::string s;
-      if (cp < 0x80) {
-        s += static_cast<char>(cp);
-      } else {
-        s += static_cast<char>(0xC0 | (cp >> 6));
-        s += static_cast<char>(0x80 | (cp & 0x3F));
-      }
-      t[static_cast<std::size_t>(c)] = s;
-    }
-    return t;
-  }();
-  return table[b];
-}
+// GPT-2's byte characters from the rule written in test code (gpt2_bytes.hpp), independently of
+// kGpt2ByteChars.
+std::string byte_char(unsigned char b) { return testing_util::gpt2_byte_characters()[b]; }
 std::string stored(std::string_view raw) {
   std::string s;
   for (const char c : raw) s += byte_char(static_cast<unsigned char>(c));

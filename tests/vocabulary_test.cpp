@@ -13,6 +13,7 @@
 #include <string_view>
 #include <vector>
 
+#include "gpt2_bytes.hpp"
 #include "test_util.hpp"
 
 namespace kvdecode {
@@ -22,23 +23,9 @@ using ::testing::HasSubstr;
 
 using testing_util::error_of;
 
-// GPT-2's byte characters, written from bytes_to_unicode(): bytes '!'..'~', 0xA1..0xAC and
-// 0xAE..0xFF stand for themselves, the other 68 for U+0100.. in byte order.
+// GPT-2's 256 byte characters (gpt2_bytes.hpp), then <|endoftext|>.
 std::vector<std::string> byte_tokens() {
-  std::vector<std::string> tokens;
-  int next = 0x100;
-  for (int b = 0; b < 256; ++b) {
-    const bool printable = (b >= 0x21 && b <= 0x7E) || (b >= 0xA1 && b <= 0xAC) || b >= 0xAE;
-    const int cp = printable ? b : next++;
-    std::string s;
-    if (cp < 0x80) {
-      s += static_cast<char>(cp);
-    } else {
-      s += static_cast<char>(0xC0 | (cp >> 6));
-      s += static_cast<char>(0x80 | (cp & 0x3F));
-    }
-    tokens.push_back(s);
-  }
+  std::vector<std::string> tokens = testing_util::gpt2_byte_characters();
   tokens.push_back("<|endoftext|>");  // id 256, control
   return tokens;
 }
