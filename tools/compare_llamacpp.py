@@ -14,6 +14,9 @@ that vocabulary (the script checks the count on each). Standard library only.
 
   tools/compare_llamacpp.py --llama-bench ~/llama.cpp/build/bin/llama-bench \\
       --generate build/release/examples/generate 15M-q8_0.gguf 15M-q4_0.gguf
+
+--weights makes the generator convert on load (e.g. `--weights bf16` on an f16 file, which it
+otherwise widens to f32); llama.cpp always runs the file as stored.
 """
 import argparse
 import json
@@ -30,7 +33,8 @@ SENTENCE = ("Once upon a time there was a little girl named Lily who loved to pl
 
 
 def run_generate(opts, model, threads, mode):
-    args = [opts.generate, "-m", model, "--temperature", "0", "--threads", str(threads)]
+    args = [opts.generate, "-m", model, "--temperature", "0", "--threads", str(threads),
+            "--weights", opts.weights]
     args += ["-p", "", "-n", "128"] if mode == "decode" else ["-f", opts.prompt, "-n", "1"]
     p = subprocess.run(args, capture_output=True, text=True, errors="replace")
     if p.returncode != 0:
@@ -81,6 +85,10 @@ def main():
     ap.add_argument("--generate", required=True)
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--weights", default="stored",
+                    help="the generator's --weights: stored (as the file keeps them), or a format "
+                         "to convert to on load, e.g. bf16 beside llama.cpp's f16 file")
+    ap.add_argument("--modes", default="decode,prefill")
     opts = ap.parse_args()
     threads = [int(t) for t in opts.threads.split(",")]
     fd, opts.prompt = tempfile.mkstemp(suffix=".txt")
@@ -98,7 +106,7 @@ def measure(opts, threads):
     for r in range(opts.rounds):
         for model in opts.models:
             for t in threads:
-                for mode in ("decode", "prefill"):
+                for mode in opts.modes.split(","):
                     for name, fn in programs if r % 2 == 0 else programs[::-1]:
                         v = fn(opts, model, t, mode)
                         res.setdefault((model, t, mode, name), []).append(v)
@@ -109,7 +117,7 @@ def measure(opts, threads):
     print("|---|---:|---|---:|---:|---:|")
     for model in opts.models:
         for t in threads:
-            for mode in ("decode", "prefill"):
+            for mode in opts.modes.split(","):
                 lc = statistics.median(res[(model, t, mode, "llama.cpp")])
                 kv = statistics.median(res[(model, t, mode, "kvdecode")])
                 print("| %s | %d | %s | %.1f | %.1f | %.2f |" % (
