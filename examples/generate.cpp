@@ -734,6 +734,13 @@ int generate_with(const Run& run, const kvdecode::Model<float, W>& model, S& cac
                run.src.stored == format ? "as stored"
                                         : ("converted on load from " + run.src.stored).c_str());
   std::fprintf(out, "load               %.2f ms (weights and tokenizer)\n", run.src.load_ms);
+  const Vocabulary& vocab = run.src.vocabulary;
+  const SpecialTokens& sp = vocab.specials();
+  std::fprintf(out, "vocabulary         %s, %lld tokens, BOS %d%s, EOS %d; a text ends at %d\n",
+               vocab.kind() == Vocabulary::Kind::kBytePairs ? "gpt2 (byte-level BPE)"
+                                                            : "llama (SentencePiece)",
+               ll(vocab.vocab_size()), sp.bos_id, sp.add_bos ? " (put first)" : "", sp.eos_id,
+               sp.end_id);
   const bool amx =
       std::is_same_v<W, bf16> && active_kernel_set() == KernelSet::kAvx512Bf16 && amx_enabled();
   std::fprintf(out, "kernels            %s%s\n", active_kernel_set_name(),
