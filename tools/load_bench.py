@@ -11,12 +11,22 @@ puts every token already sampled into one event, so under load an event may hold
 throughput is generated tokens / wall time of the whole run. The engine's own TTFT (submission
 -> first token) and inter-token latency (per token) come from /metrics. Prints Markdown tables.
 
+The clients: by default Python threads in this process (one per client, one connection per
+request, every event parsed with json.loads). They share the machine's cores and one interpreter
+lock with nothing else to do but still add a few ms to every client-side time, more under load.
+With --client build/release/bench/load_client the same requests (prompts, seeds, temperature,
+stop, streaming, one connection per request) are sent by that C++ program, which costs far less
+to measure with; the warm-up, /metrics and the report stay the same, and the report names the
+client that measured. The binary is never picked up on its own: a figure measured by the Python
+client stays reproducible by the same command line.
+
 With --prefix-restart, instead: the time to first token of one request (system prompt + a
 question) on a server with an empty --prefix-dir (cold), on a server restarted on that directory
 (the system prompt's blocks loaded from disk) and again on that server (from memory). Each
 server first answers an unrelated warm-up request.
 
 usage: tools/load_bench.py build/release/examples/server [--clients 16] [--requests 2] [--repeat 5]
+                          [--client build/release/bench/load_client]
        tools/load_bench.py build/release/examples/server --prefix-restart [--repeat 5]
 """
 import argparse
@@ -142,39 +152,68 @@ def pct(values, q):
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
+def python_clients(opts, port, system):
+    """The client phase in this process: one thread per client, one connection per request.
+    (results, errors, wall s, client CPU s)."""
+    results, errors = [], []
+    lock = threading.Lock()
+
+    def client(c):
+        for r in range(opts.requests):
+            q = QUESTIONS[(c + r) % len(QUESTIONS)] + " (%d.%d)" % (c, r)
+            try:
+                res = streamed(port, {"prompt": system + "\n" + q, "max_tokens": opts.max_tokens,
+                                      "temperature": 0.8, "seed": 1 + c * 100 + r, "stop": []},
+                               opts.timeout)
+                with lock:
+                    results.append(res)
+            except Exception as e:  # counted and reported
+                with lock:
+                    errors.append(repr(e))
+
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(opts.clients)]
+    cpu0 = cpu_seconds(None)
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results, errors, time.perf_counter() - t0, cpu_seconds(None) - cpu0
+
+
+def native_clients(opts, port, system):
+    """The same client phase run by the --client binary (bench/load_client.cpp), which prints a
+    record per request and its own wall and CPU time. (results, errors, wall s, client CPU s)."""
+    out = subprocess.run(
+        [opts.client, "--port", str(port), "--clients", str(opts.clients), "--requests",
+         str(opts.requests), "--max-tokens", str(opts.max_tokens), "--system", "-", "--timeout",
+         str(opts.timeout)], input=system, capture_output=True, text=True)
+    try:
+        data = json.loads(out.stdout)
+    except ValueError:
+        sys.exit("%s failed (exit code %d): %s" % (opts.client, out.returncode, out.stderr.strip()))
+    results, errors = [], list(data["errors"])
+    for r in data["requests"]:
+        if r["ttft_ms"] is None:  # as the Python client, which finds no first text time
+            errors.append("client %d request %d: no text event" % (r["client"], r["request"]))
+            continue
+        results.append((r["ttft_ms"] / 1e3, [g / 1e3 for g in r["gaps_ms"]],
+                        r["completion_tokens"], r["prompt_tokens"], r["cached_tokens"]))
+    return results, errors, data["wall_s"], data["cpu_s"]
+
+
 def run(binary, name, args, opts, system):
     server = Server(binary, args)
     try:
         post(server.port, {"prompt": system + "\nAmen.", "max_tokens": 4, "temperature": 0},
              opts.timeout)  # warm-up
         warm = get(server.port, "/metrics", opts.timeout)
-        results, errors = [], []
-        lock = threading.Lock()
-
-        def client(c):
-            for r in range(opts.requests):
-                q = QUESTIONS[(c + r) % len(QUESTIONS)] + " (%d.%d)" % (c, r)
-                try:
-                    res = streamed(server.port, {"prompt": system + "\n" + q,
-                                                 "max_tokens": opts.max_tokens,
-                                                 "temperature": 0.8, "seed": 1 + c * 100 + r,
-                                                 "stop": []}, opts.timeout)
-                    with lock:
-                        results.append(res)
-                except Exception as e:  # counted and reported
-                    with lock:
-                        errors.append(repr(e))
-
-        threads = [threading.Thread(target=client, args=(c,)) for c in range(opts.clients)]
-        cpu0 = cpu_seconds(server.proc.pid), cpu_seconds(None)
-        t0 = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        wall = time.perf_counter() - t0
-        server_cpu = cpu_seconds(server.proc.pid) - cpu0[0]
-        client_cpu = cpu_seconds(None) - cpu0[1]
+        cpu0 = cpu_seconds(server.proc.pid)
+        if opts.client:
+            results, errors, wall, client_cpu = native_clients(opts, server.port, system)
+        else:
+            results, errors, wall, client_cpu = python_clients(opts, server.port, system)
+        server_cpu = cpu_seconds(server.proc.pid) - cpu0
         m = get(server.port, "/metrics", opts.timeout)
     finally:
         server.stop()
@@ -252,6 +291,9 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=300, help="seconds per HTTP exchange")
     ap.add_argument("--repeat", type=int, default=1, help="runs of the three set-ups")
+    ap.add_argument("--client", metavar="PATH",
+                    help="run the clients with this binary (bench/load_client) instead of "
+                         "Python threads")
     ap.add_argument("--prefix-restart", action="store_true",
                     help="measure TTFT cold / after a restart on a --prefix-dir / in memory")
     opts = ap.parse_args()
@@ -277,7 +319,8 @@ def main():
         failed = failed or any(r["errors"] for r in rows)
     # A shared machine disturbs some runs more than others: the medians over the runs, and the
     # best run of each set-up (least disturbed), are both given.
-    print("\nover %d runs (median / best of each set-up):\n" % opts.repeat)
+    print("\nover %d runs (median / best of each set-up), measured by %s:\n" % (
+        opts.repeat, client_name(opts)))
     print("| set-up | gen tok/s | TTFT p50 ms | engine TTFT p50 ms | engine ITL p50 ms |")
     print("|---|---:|---:|---:|---:|")
     summary = []
@@ -314,10 +357,16 @@ def main():
     return 1 if failed else 0
 
 
+def client_name(opts):
+    return ("the C++ client %s" % opts.client if opts.client else
+            "the Python client (%d threads in this process)" % opts.clients)
+
+
 def report(rows, opts, n_system, rep):
     print("\nrun %d: %d clients x %d requests, system prompt %d tokens (BOS included), %d generated "
-          "tokens each, %d engine threads\n" % (rep + 1, opts.clients, opts.requests, n_system,
-                                                 opts.max_tokens, opts.threads))
+          "tokens each, %d engine threads; measured by %s\n" % (
+              rep + 1, opts.clients, opts.requests, n_system, opts.max_tokens, opts.threads,
+              client_name(opts)))
     print("| set-up | requests | wall s | gen tok/s | TTFT p50 / p90 / p99 ms | "
           "event gap p50 / p90 / p99 ms | engine TTFT p50 ms | engine ITL p50 / p99 ms | "
           "prompt tok (cached) | prefilled | preemptions | CPU s server / client | steps |")
