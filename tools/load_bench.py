@@ -100,7 +100,8 @@ def get(port, path, timeout):
 
 
 def streamed(port, body, timeout):
-    """(ttft_s, [inter-token gaps in s], completion_tokens, prompt_tokens, cached_tokens)."""
+    """(ttft_s, [inter-token gaps in s], completion_tokens, prompt_tokens, cached_tokens,
+    the engine's TTFT in s from the usage)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     t0 = time.perf_counter()
     conn.request("POST", "/v1/completions", body=json.dumps(dict(body, stream=True)))
@@ -120,7 +121,7 @@ def streamed(port, body, timeout):
     conn.close()
     gaps = [b - a for a, b in zip(times, times[1:])]
     return (times[0] - t0, gaps, usage["completion_tokens"], usage["prompt_tokens"],
-            usage["prompt_tokens_details"]["cached_tokens"])
+            usage["prompt_tokens_details"]["cached_tokens"], usage["ttft_ms"] / 1e3)
 
 
 def system_prompt(port, target, timeout):
@@ -198,7 +199,8 @@ def native_clients(opts, port, system):
             errors.append("client %d request %d: no text event" % (r["client"], r["request"]))
             continue
         results.append((r["ttft_ms"] / 1e3, [g / 1e3 for g in r["gaps_ms"]],
-                        r["completion_tokens"], r["prompt_tokens"], r["cached_tokens"]))
+                        r["completion_tokens"], r["prompt_tokens"], r["cached_tokens"],
+                        r["engine_ttft_ms"] / 1e3))
     return results, errors, data["wall_s"], data["cpu_s"]
 
 
@@ -219,11 +221,13 @@ def run(binary, name, args, opts, system):
         server.stop()
     ttft = [r[0] * 1e3 for r in results]
     itl = [g * 1e3 for r in results for g in r[1]]
+    beyond = [(r[0] - r[5]) * 1e3 for r in results]  # client TTFT - the engine's, per request
     tokens = sum(r[2] for r in results)
     return {
         "name": name, "requests": len(results), "errors": errors, "wall_s": wall,
         "tokens": tokens, "tok_s": tokens / wall,
         "ttft_p50": pct(ttft, 0.5), "ttft_p90": pct(ttft, 0.9), "ttft_p99": pct(ttft, 0.99),
+        "beyond_p50": pct(beyond, 0.5), "beyond_p90": pct(beyond, 0.9),
         "itl_p50": pct(itl, 0.5), "itl_p90": pct(itl, 0.9), "itl_p99": pct(itl, 0.99),
         "prompt_tokens": statistics.mean(r[3] for r in results),
         "cached": statistics.mean(r[4] for r in results),
@@ -321,19 +325,22 @@ def main():
     # best run of each set-up (least disturbed), are both given.
     print("\nover %d runs (median / best of each set-up), measured by %s:\n" % (
         opts.repeat, client_name(opts)))
-    print("| set-up | gen tok/s | TTFT p50 ms | engine TTFT p50 ms | engine ITL p50 ms |")
-    print("|---|---:|---:|---:|---:|")
+    print("| set-up | gen tok/s | TTFT p50 ms | engine TTFT p50 ms | client - engine TTFT p50 ms "
+          "| engine ITL p50 ms |")
+    print("|---|---:|---:|---:|---:|---:|")
     summary = []
     for k, (name, _) in enumerate(setups):
         col = lambda key: [rows[k][key] for rows in runs]
         row = {"tok_s": (statistics.median(col("tok_s")), max(col("tok_s"))),
                "ttft": (statistics.median(col("ttft_p50")), min(col("ttft_p50"))),
                "sttft": (statistics.median(col("server_ttft_p50")), min(col("server_ttft_p50"))),
+               "beyond": (statistics.median(col("beyond_p50")), min(col("beyond_p50"))),
                "sitl": (statistics.median(col("server_itl_p50")), min(col("server_itl_p50")))}
         summary.append(row)
-        print("| %s | %.0f / %.0f | %.1f / %.1f | %.1f / %.1f | %.2f / %.2f |" % (
+        print("| %s | %.0f / %.0f | %.1f / %.1f | %.1f / %.1f | %.1f / %.1f | %.2f / %.2f |" % (
             name, row["tok_s"][0], row["tok_s"][1], row["ttft"][0], row["ttft"][1],
-            row["sttft"][0], row["sttft"][1], row["sitl"][0], row["sitl"][1]))
+            row["sttft"][0], row["sttft"][1], row["beyond"][0], row["beyond"][1],
+            row["sitl"][0], row["sitl"][1]))
     cached, uncached, serial = summary
     ttft = [rows[1]["ttft_p50"] / rows[0]["ttft_p50"] for rows in runs]
     tok = [rows[0]["tok_s"] / rows[2]["tok_s"] for rows in runs]
@@ -341,6 +348,11 @@ def main():
           "best runs %.1fx" % (", ".join("%.1fx" % x for x in ttft),
                                uncached["ttft"][0] / cached["ttft"][0],
                                uncached["ttft"][1] / cached["ttft"][1]))
+    sttft = [rows[1]["server_ttft_p50"] / rows[0]["server_ttft_p50"] for rows in runs]
+    print("engine TTFT p50 without / with the prefix cache, per run: %s; of the medians %.1fx, of "
+          "the best runs %.1fx" % (", ".join("%.1fx" % x for x in sttft),
+                                   uncached["sttft"][0] / cached["sttft"][0],
+                                   uncached["sttft"][1] / cached["sttft"][1]))
     print("generated tokens/s batched / one at a time, per run: %s; of the medians %.1fx, of the "
           "best runs %.1fx" % (", ".join("%.1fx" % x for x in tok),
                                cached["tok_s"][0] / serial["tok_s"][0],
@@ -368,16 +380,18 @@ def report(rows, opts, n_system, rep):
               rep + 1, opts.clients, opts.requests, n_system, opts.max_tokens, opts.threads,
               client_name(opts)))
     print("| set-up | requests | wall s | gen tok/s | TTFT p50 / p90 / p99 ms | "
-          "event gap p50 / p90 / p99 ms | engine TTFT p50 ms | engine ITL p50 / p99 ms | "
-          "prompt tok (cached) | prefilled | preemptions | CPU s server / client | steps |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "event gap p50 / p90 / p99 ms | engine TTFT p50 ms | client - engine TTFT p50 / p90 ms | "
+          "engine ITL p50 / p99 ms | prompt tok (cached) | prefilled | preemptions | "
+          "CPU s server / client | steps |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print("| %s | %d%s | %.2f | %.0f | %.1f / %.1f / %.1f | %.2f / %.2f / %.2f | %.1f | "
-              "%.2f / %.2f | %.0f (%.0f) | %d | %d | %.2f / %.2f | %d |" % (
+              "%.1f / %.1f | %.2f / %.2f | %.0f (%.0f) | %d | %d | %.2f / %.2f | %d |" % (
                   r["name"], r["requests"],
                   " (%d failed)" % len(r["errors"]) if r["errors"] else "", r["wall_s"],
                   r["tok_s"], r["ttft_p50"], r["ttft_p90"], r["ttft_p99"], r["itl_p50"],
-                  r["itl_p90"], r["itl_p99"], r["server_ttft_p50"], r["server_itl_p50"], r["server_itl_p99"],
+                  r["itl_p90"], r["itl_p99"], r["server_ttft_p50"], r["beyond_p50"],
+                  r["beyond_p90"], r["server_itl_p50"], r["server_itl_p99"],
                   r["prompt_tokens"], r["cached"], r["prefilled"], r["preemptions"],
                   r["server_cpu"], r["client_cpu"], r["steps"]))
     cached, uncached, serial = rows
