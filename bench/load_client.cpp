@@ -289,7 +289,8 @@ int run(const Options& o) {
       {"client", "load_client"},     {"clients", o.clients},    {"requests_per_client", o.requests},
       {"max_tokens", o.max_tokens},  {"wall_s", wall_s},        {"cpu_s", cpu_s},
       {"completion_tokens", tokens}, {"requests", out_records}, {"errors", out_errors}};
-  std::printf("%s\n", out.dump().c_str());
+  // An error may quote a cut UTF-8 sequence: replaced, not thrown on.
+  std::printf("%s\n", out.dump(-1, ' ', false, json::error_handler_t::replace).c_str());
   std::fflush(stdout);
   if (out_errors.empty()) return 0;
   std::fprintf(stderr, "load_client: %zu of %zu requests failed, the first: %s\n",

@@ -297,10 +297,13 @@ def main():
     ap.add_argument("--repeat", type=int, default=1, help="runs of the three set-ups")
     ap.add_argument("--client", metavar="PATH",
                     help="run the clients with this binary (bench/load_client) instead of "
-                         "Python threads")
+                         "Python threads; --prefix-restart's single requests stay in Python")
     ap.add_argument("--prefix-restart", action="store_true",
                     help="measure TTFT cold / after a restart on a --prefix-dir / in memory")
     opts = ap.parse_args()
+    if opts.client and not (os.path.isfile(opts.client) and os.access(opts.client, os.X_OK)):
+        ap.error("--client %s is not an executable file (cmake --build build/release --target "
+                 "load_client)" % opts.client)
     common = ["--threads", str(opts.threads), "--blocks", "2048", "--max-running",
               str(max(16, opts.clients)), "--step-tokens", "256",
               "--http-threads", str(opts.clients + 8)]
