@@ -3,7 +3,8 @@
 of a few tokens. Its JSON must hold one record per request whose usage numbers match the
 server's own (/metrics counts the tokens generated; a non-streamed request of the same prompt
 counts its tokens), with a TTFT no shorter than the engine's and one gap fewer than text events; against a port nobody
-listens on it exits 1 with one line on stderr and the error in its JSON.
+listens on it exits 1 with one line on stderr and the error in its JSON. tools/load_bench.py
+--client runs its client phase with it.
 
 usage: load_client_test.py SERVER_BINARY LOAD_CLIENT_BINARY
 """
@@ -75,6 +76,21 @@ class LoadClientTest(unittest.TestCase):
         result = json.loads(out.stdout)
         self.assertEqual(result["requests"], [])
         self.assertEqual(len(result["errors"]), 1)
+
+
+class LoadBenchTest(unittest.TestCase):
+    def test_load_bench_runs_its_clients_with_the_binary(self):
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools",
+                              "load_bench.py")
+        out = subprocess.run(
+            [sys.executable, script, SERVER_BINARY, "--client", CLIENT_BINARY, "--clients", "2",
+             "--requests", "1", "--max-tokens", str(MAX_TOKENS), "--system-tokens", "32",
+             "--threads", "1"], capture_output=True, text=True, timeout=120)
+        self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
+        self.assertIn("measured by the C++ client " + CLIENT_BINARY, out.stdout)
+        for setup in ("batched, prefix cache", "batched, no prefix cache",
+                      "one at a time, prefix cache"):
+            self.assertRegex(out.stdout, r"\n\| %s \| 2 \| " % setup)  # 2 requests, none failed
 
 
 if __name__ == "__main__":

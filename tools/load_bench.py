@@ -362,10 +362,13 @@ def main():
                                cached["tok_s"][1] / serial["tok_s"][1]))
     # The machine's other load takes wall time, not our CPU time: tokens per server CPU-second
     # and tokens per step (the effective batch) show what the engine itself did in each run.
-    cpu = [(rows[0]["tokens"] / rows[0]["server_cpu"]) / (rows[2]["tokens"] / rows[2]["server_cpu"])
-           for rows in runs]
+    # (A run too short for one clock tick of server CPU time has no figure.)
+    cpu = ["%.1fx" % ((rows[0]["tokens"] / rows[0]["server_cpu"]) /
+                      (rows[2]["tokens"] / rows[2]["server_cpu"]))
+           if rows[0]["server_cpu"] > 0 and rows[2]["server_cpu"] > 0 and rows[2]["tokens"] > 0
+           else "n/a" for rows in runs]
     print("generated tokens per server CPU-second batched / one at a time, per run: %s" %
-          ", ".join("%.1fx" % x for x in cpu))
+          ", ".join(cpu))
     print("batched (prefix cache) tokens per step, per run: %s; its wall share of one core: %s" % (
         ", ".join("%.1f" % (rows[0]["tokens"] / rows[0]["steps"]) for rows in runs),
         ", ".join("%.0f%%" % (100 * rows[0]["server_cpu"] / rows[0]["wall_s"]) for rows in runs)))
