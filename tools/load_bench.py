@@ -11,12 +11,22 @@ puts every token already sampled into one event, so under load an event may hold
 throughput is generated tokens / wall time of the whole run. The engine's own TTFT (submission
 -> first token) and inter-token latency (per token) come from /metrics. Prints Markdown tables.
 
+The clients: by default Python threads in this process (one per client, one connection per
+request, every event parsed with json.loads). They share the machine's cores and one interpreter
+lock with nothing else to do but still add a few ms to every client-side time, more under load.
+With --client build/release/bench/load_client the same requests (prompts, seeds, temperature,
+stop, streaming, one connection per request) are sent by that C++ program, which costs far less
+to measure with; the warm-up, /metrics and the report stay the same, and the report names the
+client that measured. The binary is never picked up on its own: a figure measured by the Python
+client stays reproducible by the same command line.
+
 With --prefix-restart, instead: the time to first token of one request (system prompt + a
 question) on a server with an empty --prefix-dir (cold), on a server restarted on that directory
 (the system prompt's blocks loaded from disk) and again on that server (from memory). Each
 server first answers an unrelated warm-up request.
 
 usage: tools/load_bench.py build/release/examples/server [--clients 16] [--requests 2] [--repeat 5]
+                          [--client build/release/bench/load_client]
        tools/load_bench.py build/release/examples/server --prefix-restart [--repeat 5]
 """
 import argparse
@@ -90,7 +100,8 @@ def get(port, path, timeout):
 
 
 def streamed(port, body, timeout):
-    """(ttft_s, [inter-token gaps in s], completion_tokens, prompt_tokens, cached_tokens)."""
+    """(ttft_s, [inter-token gaps in s], completion_tokens, prompt_tokens, cached_tokens,
+    the engine's TTFT in s from the usage)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     t0 = time.perf_counter()
     conn.request("POST", "/v1/completions", body=json.dumps(dict(body, stream=True)))
@@ -110,7 +121,7 @@ def streamed(port, body, timeout):
     conn.close()
     gaps = [b - a for a, b in zip(times, times[1:])]
     return (times[0] - t0, gaps, usage["completion_tokens"], usage["prompt_tokens"],
-            usage["prompt_tokens_details"]["cached_tokens"])
+            usage["prompt_tokens_details"]["cached_tokens"], usage["ttft_ms"] / 1e3)
 
 
 def system_prompt(port, target, timeout):
@@ -142,49 +153,81 @@ def pct(values, q):
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
+def python_clients(opts, port, system):
+    """The client phase in this process: one thread per client, one connection per request.
+    (results, errors, wall s, client CPU s)."""
+    results, errors = [], []
+    lock = threading.Lock()
+
+    def client(c):
+        for r in range(opts.requests):
+            q = QUESTIONS[(c + r) % len(QUESTIONS)] + " (%d.%d)" % (c, r)
+            try:
+                res = streamed(port, {"prompt": system + "\n" + q, "max_tokens": opts.max_tokens,
+                                      "temperature": 0.8, "seed": 1 + c * 100 + r, "stop": []},
+                               opts.timeout)
+                with lock:
+                    results.append(res)
+            except Exception as e:  # counted and reported
+                with lock:
+                    errors.append(repr(e))
+
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(opts.clients)]
+    cpu0 = cpu_seconds(None)
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results, errors, time.perf_counter() - t0, cpu_seconds(None) - cpu0
+
+
+def native_clients(opts, port, system):
+    """The same client phase run by the --client binary (bench/load_client.cpp), which prints a
+    record per request and its own wall and CPU time. (results, errors, wall s, client CPU s)."""
+    out = subprocess.run(
+        [opts.client, "--port", str(port), "--clients", str(opts.clients), "--requests",
+         str(opts.requests), "--max-tokens", str(opts.max_tokens), "--system", "-", "--timeout",
+         str(opts.timeout)], input=system, capture_output=True, text=True)
+    try:
+        data = json.loads(out.stdout)
+    except ValueError:
+        sys.exit("%s failed (exit code %d): %s" % (opts.client, out.returncode, out.stderr.strip()))
+    results, errors = [], list(data["errors"])
+    for r in data["requests"]:
+        if r["ttft_ms"] is None:  # as the Python client, which finds no first text time
+            errors.append("client %d request %d: no text event" % (r["client"], r["request"]))
+            continue
+        results.append((r["ttft_ms"] / 1e3, [g / 1e3 for g in r["gaps_ms"]],
+                        r["completion_tokens"], r["prompt_tokens"], r["cached_tokens"],
+                        r["engine_ttft_ms"] / 1e3))
+    return results, errors, data["wall_s"], data["cpu_s"]
+
+
 def run(binary, name, args, opts, system):
     server = Server(binary, args)
     try:
         post(server.port, {"prompt": system + "\nAmen.", "max_tokens": 4, "temperature": 0},
              opts.timeout)  # warm-up
         warm = get(server.port, "/metrics", opts.timeout)
-        results, errors = [], []
-        lock = threading.Lock()
-
-        def client(c):
-            for r in range(opts.requests):
-                q = QUESTIONS[(c + r) % len(QUESTIONS)] + " (%d.%d)" % (c, r)
-                try:
-                    res = streamed(server.port, {"prompt": system + "\n" + q,
-                                                 "max_tokens": opts.max_tokens,
-                                                 "temperature": 0.8, "seed": 1 + c * 100 + r,
-                                                 "stop": []}, opts.timeout)
-                    with lock:
-                        results.append(res)
-                except Exception as e:  # counted and reported
-                    with lock:
-                        errors.append(repr(e))
-
-        threads = [threading.Thread(target=client, args=(c,)) for c in range(opts.clients)]
-        cpu0 = cpu_seconds(server.proc.pid), cpu_seconds(None)
-        t0 = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        wall = time.perf_counter() - t0
-        server_cpu = cpu_seconds(server.proc.pid) - cpu0[0]
-        client_cpu = cpu_seconds(None) - cpu0[1]
+        cpu0 = cpu_seconds(server.proc.pid)
+        if opts.client:
+            results, errors, wall, client_cpu = native_clients(opts, server.port, system)
+        else:
+            results, errors, wall, client_cpu = python_clients(opts, server.port, system)
+        server_cpu = cpu_seconds(server.proc.pid) - cpu0
         m = get(server.port, "/metrics", opts.timeout)
     finally:
         server.stop()
     ttft = [r[0] * 1e3 for r in results]
     itl = [g * 1e3 for r in results for g in r[1]]
+    beyond = [(r[0] - r[5]) * 1e3 for r in results]  # client TTFT - the engine's, per request
     tokens = sum(r[2] for r in results)
     return {
         "name": name, "requests": len(results), "errors": errors, "wall_s": wall,
         "tokens": tokens, "tok_s": tokens / wall,
         "ttft_p50": pct(ttft, 0.5), "ttft_p90": pct(ttft, 0.9), "ttft_p99": pct(ttft, 0.99),
+        "beyond_p50": pct(beyond, 0.5), "beyond_p90": pct(beyond, 0.9),
         "itl_p50": pct(itl, 0.5), "itl_p90": pct(itl, 0.9), "itl_p99": pct(itl, 0.99),
         "prompt_tokens": statistics.mean(r[3] for r in results),
         "cached": statistics.mean(r[4] for r in results),
@@ -252,9 +295,15 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=300, help="seconds per HTTP exchange")
     ap.add_argument("--repeat", type=int, default=1, help="runs of the three set-ups")
+    ap.add_argument("--client", metavar="PATH",
+                    help="run the clients with this binary (bench/load_client) instead of "
+                         "Python threads; --prefix-restart's single requests stay in Python")
     ap.add_argument("--prefix-restart", action="store_true",
                     help="measure TTFT cold / after a restart on a --prefix-dir / in memory")
     opts = ap.parse_args()
+    if opts.client and not (os.path.isfile(opts.client) and os.access(opts.client, os.X_OK)):
+        ap.error("--client %s is not an executable file (cmake --build build/release --target "
+                 "load_client)" % opts.client)
     common = ["--threads", str(opts.threads), "--blocks", "2048", "--max-running",
               str(max(16, opts.clients)), "--step-tokens", "256",
               "--http-threads", str(opts.clients + 8)]
@@ -277,20 +326,24 @@ def main():
         failed = failed or any(r["errors"] for r in rows)
     # A shared machine disturbs some runs more than others: the medians over the runs, and the
     # best run of each set-up (least disturbed), are both given.
-    print("\nover %d runs (median / best of each set-up):\n" % opts.repeat)
-    print("| set-up | gen tok/s | TTFT p50 ms | engine TTFT p50 ms | engine ITL p50 ms |")
-    print("|---|---:|---:|---:|---:|")
+    print("\nover %d runs (median / best of each set-up), measured by %s:\n" % (
+        opts.repeat, client_name(opts)))
+    print("| set-up | gen tok/s | TTFT p50 ms | engine TTFT p50 ms | client - engine TTFT p50 ms "
+          "| engine ITL p50 ms |")
+    print("|---|---:|---:|---:|---:|---:|")
     summary = []
     for k, (name, _) in enumerate(setups):
         col = lambda key: [rows[k][key] for rows in runs]
         row = {"tok_s": (statistics.median(col("tok_s")), max(col("tok_s"))),
                "ttft": (statistics.median(col("ttft_p50")), min(col("ttft_p50"))),
                "sttft": (statistics.median(col("server_ttft_p50")), min(col("server_ttft_p50"))),
+               "beyond": (statistics.median(col("beyond_p50")), min(col("beyond_p50"))),
                "sitl": (statistics.median(col("server_itl_p50")), min(col("server_itl_p50")))}
         summary.append(row)
-        print("| %s | %.0f / %.0f | %.1f / %.1f | %.1f / %.1f | %.2f / %.2f |" % (
+        print("| %s | %.0f / %.0f | %.1f / %.1f | %.1f / %.1f | %.1f / %.1f | %.2f / %.2f |" % (
             name, row["tok_s"][0], row["tok_s"][1], row["ttft"][0], row["ttft"][1],
-            row["sttft"][0], row["sttft"][1], row["sitl"][0], row["sitl"][1]))
+            row["sttft"][0], row["sttft"][1], row["beyond"][0], row["beyond"][1],
+            row["sitl"][0], row["sitl"][1]))
     cached, uncached, serial = summary
     ttft = [rows[1]["ttft_p50"] / rows[0]["ttft_p50"] for rows in runs]
     tok = [rows[0]["tok_s"] / rows[2]["tok_s"] for rows in runs]
@@ -298,37 +351,53 @@ def main():
           "best runs %.1fx" % (", ".join("%.1fx" % x for x in ttft),
                                uncached["ttft"][0] / cached["ttft"][0],
                                uncached["ttft"][1] / cached["ttft"][1]))
+    sttft = [rows[1]["server_ttft_p50"] / rows[0]["server_ttft_p50"] for rows in runs]
+    print("engine TTFT p50 without / with the prefix cache, per run: %s; of the medians %.1fx, of "
+          "the best runs %.1fx" % (", ".join("%.1fx" % x for x in sttft),
+                                   uncached["sttft"][0] / cached["sttft"][0],
+                                   uncached["sttft"][1] / cached["sttft"][1]))
     print("generated tokens/s batched / one at a time, per run: %s; of the medians %.1fx, of the "
           "best runs %.1fx" % (", ".join("%.1fx" % x for x in tok),
                                cached["tok_s"][0] / serial["tok_s"][0],
                                cached["tok_s"][1] / serial["tok_s"][1]))
     # The machine's other load takes wall time, not our CPU time: tokens per server CPU-second
     # and tokens per step (the effective batch) show what the engine itself did in each run.
-    cpu = [(rows[0]["tokens"] / rows[0]["server_cpu"]) / (rows[2]["tokens"] / rows[2]["server_cpu"])
-           for rows in runs]
+    # (A run too short for one clock tick of server CPU time has no figure.)
+    cpu = ["%.1fx" % ((rows[0]["tokens"] / rows[0]["server_cpu"]) /
+                      (rows[2]["tokens"] / rows[2]["server_cpu"]))
+           if rows[0]["server_cpu"] > 0 and rows[2]["server_cpu"] > 0 and rows[2]["tokens"] > 0
+           else "n/a" for rows in runs]
     print("generated tokens per server CPU-second batched / one at a time, per run: %s" %
-          ", ".join("%.1fx" % x for x in cpu))
+          ", ".join(cpu))
     print("batched (prefix cache) tokens per step, per run: %s; its wall share of one core: %s" % (
         ", ".join("%.1f" % (rows[0]["tokens"] / rows[0]["steps"]) for rows in runs),
         ", ".join("%.0f%%" % (100 * rows[0]["server_cpu"] / rows[0]["wall_s"]) for rows in runs)))
     return 1 if failed else 0
 
 
+def client_name(opts):
+    return ("the C++ client %s" % opts.client if opts.client else
+            "the Python client (%d threads in this process)" % opts.clients)
+
+
 def report(rows, opts, n_system, rep):
     print("\nrun %d: %d clients x %d requests, system prompt %d tokens (BOS included), %d generated "
-          "tokens each, %d engine threads\n" % (rep + 1, opts.clients, opts.requests, n_system,
-                                                 opts.max_tokens, opts.threads))
+          "tokens each, %d engine threads; measured by %s\n" % (
+              rep + 1, opts.clients, opts.requests, n_system, opts.max_tokens, opts.threads,
+              client_name(opts)))
     print("| set-up | requests | wall s | gen tok/s | TTFT p50 / p90 / p99 ms | "
-          "event gap p50 / p90 / p99 ms | engine TTFT p50 ms | engine ITL p50 / p99 ms | "
-          "prompt tok (cached) | prefilled | preemptions | CPU s server / client | steps |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "event gap p50 / p90 / p99 ms | engine TTFT p50 ms | client - engine TTFT p50 / p90 ms | "
+          "engine ITL p50 / p99 ms | prompt tok (cached) | prefilled | preemptions | "
+          "CPU s server / client | steps |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print("| %s | %d%s | %.2f | %.0f | %.1f / %.1f / %.1f | %.2f / %.2f / %.2f | %.1f | "
-              "%.2f / %.2f | %.0f (%.0f) | %d | %d | %.2f / %.2f | %d |" % (
+              "%.1f / %.1f | %.2f / %.2f | %.0f (%.0f) | %d | %d | %.2f / %.2f | %d |" % (
                   r["name"], r["requests"],
                   " (%d failed)" % len(r["errors"]) if r["errors"] else "", r["wall_s"],
                   r["tok_s"], r["ttft_p50"], r["ttft_p90"], r["ttft_p99"], r["itl_p50"],
-                  r["itl_p90"], r["itl_p99"], r["server_ttft_p50"], r["server_itl_p50"], r["server_itl_p99"],
+                  r["itl_p90"], r["itl_p99"], r["server_ttft_p50"], r["beyond_p50"],
+                  r["beyond_p90"], r["server_itl_p50"], r["server_itl_p99"],
                   r["prompt_tokens"], r["cached"], r["prefilled"], r["preemptions"],
                   r["server_cpu"], r["client_cpu"], r["steps"]))
     cached, uncached, serial = rows

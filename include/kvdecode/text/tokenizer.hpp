@@ -357,15 +357,20 @@ class Tokenizer {
                      context, ": piece ", i, " has ", len,
                      " bytes, more than the file's int32 length field holds");
     }
-    sorted_ids_.resize(scores_.size());
-    for (std::size_t i = 0; i < sorted_ids_.size(); ++i) {
-      sorted_ids_[i] = static_cast<std::int32_t>(i);
+    // At most half full, so a probe ends after a slot or two; ids go in ascending, and a
+    // duplicate piece is left out, so a lookup finds the lowest id.
+    piece_table_.assign(std::bit_ceil(2 * scores_.size()), -1);
+    const std::size_t mask = piece_table_.size() - 1;
+    for (std::size_t i = 0; i < scores_.size(); ++i) {
+      const std::string_view p = piece_unchecked(static_cast<std::int32_t>(i));
+      for (std::size_t slot = piece_hash(p, {}) & mask;; slot = (slot + 1) & mask) {
+        if (piece_table_[slot] < 0) {
+          piece_table_[slot] = static_cast<std::int32_t>(i);
+          break;
+        }
+        if (piece_unchecked(piece_table_[slot]) == p) break;  // a duplicate: keep the lower id
+      }
     }
-    // Byte order (as strcmp), ties by id, so lower_bound finds the lowest id of a duplicate.
-    std::sort(sorted_ids_.begin(), sorted_ids_.end(), [this](std::int32_t a, std::int32_t b) {
-      const int c = piece_unchecked(a).compare(piece_unchecked(b));
-      return c != 0 ? c < 0 : a < b;
-    });
     space_id_ = lookup(" ", {});
     // run.c would silently push id -1 as the dummy prefix of every non-empty text.
     KVDECODE_CHECK(space_id_ >= 0, context,
@@ -425,15 +430,26 @@ class Tokenizer {
     return c != 0 ? c : p.substr(a.size()).compare(b);
   }
 
-  /// The lowest id whose piece equals a ++ b, or -1 (run.c's sprintf("%s%s") + str_lookup).
+  /// FNV-1a of the bytes of a ++ b, without building it.
+  static std::uint64_t piece_hash(std::string_view a, std::string_view b) {
+    std::uint64_t h = 14695981039346656037ull;
+    for (const char c : a) h = (h ^ static_cast<unsigned char>(c)) * 1099511628211ull;
+    for (const char c : b) h = (h ^ static_cast<unsigned char>(c)) * 1099511628211ull;
+    return h;
+  }
+
+  /// The lowest id whose piece equals a ++ b, or -1 (run.c's sprintf("%s%s") + str_lookup, a
+  /// binary search there; a hash probe here, as the merge loop looks up about two pairs per
+  /// byte of text).
   std::int32_t lookup(std::string_view a, std::string_view b) const {
     if (a.size() + b.size() > max_token_length_) return -1;  // longer than every piece
-    const auto it = std::lower_bound(sorted_ids_.begin(), sorted_ids_.end(), 0,
-                                     [&](std::int32_t id, int /*unused*/) {
-                                       return compare_with_concat(piece_unchecked(id), a, b) < 0;
-                                     });
-    if (it == sorted_ids_.end() || compare_with_concat(piece_unchecked(*it), a, b) != 0) return -1;
-    return *it;
+    const std::size_t mask = piece_table_.size() - 1;
+    for (std::size_t slot = piece_hash(a, b) & mask;; slot = (slot + 1) & mask) {
+      const std::int32_t id = piece_table_[slot];
+      if (id < 0) return -1;
+      const std::string_view p = piece_unchecked(id);
+      if (p.size() == a.size() + b.size() && compare_with_concat(p, a, b) == 0) return id;
+    }
   }
 
   /// run.c's code point split: a byte plus the continuation bytes (10xxxxxx) after it, at most
@@ -577,8 +593,10 @@ class Tokenizer {
   std::string piece_bytes_;  // [sum of piece lengths]: every piece, in id order
   // [vocab_size + 1]: piece `id` is piece_bytes_[offsets_[id], offsets_[id + 1])
   std::vector<std::size_t> offsets_;
-  std::vector<float> scores_;             // [vocab_size]: merge score per id
-  std::vector<std::int32_t> sorted_ids_;  // [vocab_size]: ids ordered by piece bytes, then id
+  std::vector<float> scores_;  // [vocab_size]: merge score per id
+  // [bit_ceil(2 * vocab_size)]: open addressing by piece_hash(), linear probing; the lowest id
+  // of each distinct piece, or -1 for an empty slot
+  std::vector<std::int32_t> piece_table_;
   std::uint32_t max_token_length_ = 0;
   std::int32_t space_id_ = -1;  // id of " ", the dummy prefix
 };
