@@ -33,20 +33,27 @@ inline void pack_panel(float* panel, const W* w, std::size_t rows, std::size_t i
 /// kPackedDepth + in / kPackedDepth terms, not of `in` (blocked summation).
 inline constexpr std::size_t kPackedDepth = 64;
 
-/// The weights of the panel after the current one [bytes], asked for ahead of their pack while
-/// the current panel's tiles run: those are compute bound and leave the memory idle, and the
-/// pack would otherwise wait for every line of a matrix that does not fit in cache.
+/// Bytes of weights to be packed next, asked for while the current panel's tiles run: those are
+/// compute bound and leave the memory idle, and the pack would otherwise wait for every line of
+/// a matrix that does not fit in cache. Each tile asks for its share a line per depth step, so
+/// the requests never pile up beyond what the memory system holds in flight.
 struct NextWeights {
   const char* p = nullptr;
   std::size_t bytes = 0;
 
-  /// Asks for the part [t0, t1) of n equal parts (the tiles of tokens [t0, t1) of n).
-  void prefetch(std::size_t t0, std::size_t t1, std::size_t n) const {
+  /// Part [t0, t1) of n equal parts (the share of the tiles of tokens [t0, t1) of n).
+  NextWeights part(std::size_t t0, std::size_t t1, std::size_t n) const {
+    const std::size_t lo = t0 * bytes / n / 64 * 64;
+    const std::size_t hi = t1 * bytes / n;
+    return hi > lo ? NextWeights{p + lo, hi - lo} : NextWeights{};
+  }
+  /// Asks for lines [first, last) of these bytes (those that exist).
+  void lines(std::size_t first, std::size_t last) const {
 #if defined(__GNUC__)
-    for (std::size_t o = t0 * bytes / n / 64 * 64; o < t1 * bytes / n; o += 64)
+    for (std::size_t o = first * 64; o < last * 64 && o < bytes; o += 64)
       __builtin_prefetch(p + o, 0, 2);
 #else
-    static_cast<void>(t0), static_cast<void>(t1), static_cast<void>(n);
+    static_cast<void>(first), static_cast<void>(last);
 #endif
   }
 };
@@ -175,7 +182,8 @@ KVDECODE_TARGET_AVX2 inline void pack_panel_avx2(float* panel, const W* w, std::
 template <int R>
 KVDECODE_TARGET_AVX512 inline void packed_tile_avx512(float* y, std::size_t y_stride,
                                                       const float* x, std::size_t in,
-                                                      const float* panel, std::size_t cols) {
+                                                      const float* panel, std::size_t cols,
+                                                      NextWeights next = {}) {
   __mmask16 m[4];
   KVDECODE_UNROLL
   for (int j = 0; j < 4; ++j) {
@@ -190,6 +198,7 @@ KVDECODE_TARGET_AVX512 inline void packed_tile_avx512(float* y, std::size_t y_st
     for (int i = 0; i < R; ++i) KVDECODE_UNROLL
     for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();
     for (std::size_t k = k0; k < k1; ++k) {
+      next.lines(k, k + 1);
       const float* p = panel + k * kPanelRows;
       const __m512 w0 = _mm512_loadu_ps(p);
       const __m512 w1 = _mm512_loadu_ps(p + 16);
@@ -221,10 +230,11 @@ KVDECODE_TARGET_AVX512 inline void packed_panel_avx512(float* y, std::size_t y_s
                                                        std::size_t cols, NextWeights next) {
   std::size_t t = 0;
   for (; t + 6 <= n; t += 6) {
-    next.prefetch(t, t + 6, n);
-    packed_tile_avx512<6>(y + t * y_stride, y_stride, x + t * in, in, panel, cols);
+    const NextWeights share = next.part(t, t + 6, n);
+    packed_tile_avx512<6>(y + t * y_stride, y_stride, x + t * in, in, panel, cols, share);
+    share.lines(in, share.bytes / 64 + 1);  // what a depth step each did not cover
   }
-  next.prefetch(t, n, n);
+  next.part(t, n, n).lines(0, n * in);
   for (; t + 2 <= n; t += 2)
     packed_tile_avx512<2>(y + t * y_stride, y_stride, x + t * in, in, panel, cols);
   if (t < n) packed_tile_avx512<1>(y + t * y_stride, y_stride, x + t * in, in, panel, cols);
@@ -234,7 +244,7 @@ KVDECODE_TARGET_AVX512 inline void packed_panel_avx512(float* y, std::size_t y_s
 template <int R>
 KVDECODE_TARGET_AVX2 inline void packed_tile_avx2(float* y, std::size_t y_stride, const float* x,
                                                   std::size_t in, const float* panel,
-                                                  std::size_t cols) {
+                                                  std::size_t cols, NextWeights next = {}) {
   const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   __m256i m[4];
   KVDECODE_UNROLL
@@ -250,6 +260,7 @@ KVDECODE_TARGET_AVX2 inline void packed_tile_avx2(float* y, std::size_t y_stride
     for (int i = 0; i < R; ++i) KVDECODE_UNROLL
     for (int j = 0; j < 4; ++j) acc[i][j] = _mm256_setzero_ps();
     for (std::size_t k = k0; k < k1; ++k) {
+      next.lines(k, k + 1);
       const float* p = panel + k * kPanelRows;
       __m256 xb[R];
       KVDECODE_UNROLL
@@ -280,9 +291,13 @@ KVDECODE_TARGET_AVX2 inline void packed_panel_avx2(float* y, std::size_t y_strid
   for (std::size_t h = 0; h < cols; h += 32) {
     const std::size_t c = std::min<std::size_t>(32, cols - h);
     std::size_t t = 0;
-    if (h == 0) next.prefetch(0, 1, 1);
-    for (; t + 3 <= n; t += 3)
-      packed_tile_avx2<3>(y + t * y_stride + h, y_stride, x + t * in, in, panel + h, c);
+    const std::size_t halves = (cols + 31) / 32;  // the next weights shared over both halves
+    for (; t + 3 <= n; t += 3) {
+      const NextWeights share = next.part((h / 32) * n + t, (h / 32) * n + t + 3, halves * n);
+      packed_tile_avx2<3>(y + t * y_stride + h, y_stride, x + t * in, in, panel + h, c, share);
+      share.lines(in, share.bytes / 64 + 1);
+    }
+    next.part((h / 32) * n + t, (h / 32 + 1) * n, halves * n).lines(0, n * in);
     for (; t < n; ++t)
       packed_tile_avx2<1>(y + t * y_stride + h, y_stride, x + t * in, in, panel + h, c);
   }
