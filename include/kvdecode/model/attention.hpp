@@ -372,7 +372,8 @@ void attend_kv_head(const ModelConfig& cfg, const S& store, std::size_t layer, s
     if constexpr (std::is_same_v<T, float>)
       if (own_products)
         for (std::size_t k = 0; k < n_runs; ++k)
-          detail::pack_keys(kt, kTile, runs[k].col, runs[k].keys, runs[k].stride, runs[k].rows, hs);
+          detail::pack_keys(ks, kt, kTile, runs[k].col, runs[k].keys, runs[k].stride, runs[k].rows,
+                            hs);
     const auto ci = static_cast<Eigen::Index>(cols);
     const TileRun& last = runs[n_runs - 1];
     // Every query sees every key of the tile unless a key lies past the first query or the
