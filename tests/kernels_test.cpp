@@ -1,10 +1,10 @@
 // The optimised kernels of every kernel set this CPU supports against naive loops written here:
 // GEMV (f32, bf16), the few-token GEMMs (gemm_few also against each token's GEMV; gemm_lanes of
-// batched steps also against its fma chain and the same token alone), the projection scheduler
-// (linear_group) at 1/2/3 threads, the int8 and 4-bit dequantization, the kernel-set choice, the
-// thread pool, bf16 rounding and threaded attention. Odd sizes (columns 1..70 and 95, 129, 295;
-// rows not multiples of any block; 1..16 tokens) cover every tail path. A set the CPU lacks is
-// skipped by name.
+// batched steps also against its fma chain and the same token alone), the packed GEMM and its
+// panel pack, attention's softmax exp, the projection scheduler (linear_group) at 1/2/3 threads,
+// the int8 and 4-bit dequantization, the kernel-set choice, the thread pool, bf16 rounding and
+// threaded attention. Odd sizes (columns 1..70 and 95, 129, 295; rows not multiples of any
+// block; 1..16 tokens) cover every tail path. A set the CPU lacks is skipped by name.
 //
 // f32 bound: a sum of n products computed in f32 in any order is within γ_n·Σ|w_i x_i| of the
 // exact sum, γ_n ≈ n·2^-24 (Higham, Accuracy and Stability, §3.1); the naive loop sums in double.
