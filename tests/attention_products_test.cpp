@@ -81,6 +81,35 @@ TEST_P(AttentionProductsTest, ScoresAreDotProductsOfQueriesAndKeys) {
   }
 }
 
+// The key tile's transpose: kt[d][col + c] = keys[c][d] exactly for every set, runs placed one
+// after another as attention places them (so a run ending mid-block meets the next run's
+// columns), and nothing outside the runs' columns written (a padded stride and ld show it).
+TEST_P(AttentionProductsTest, PackKeysTransposesRunsExactly) {
+  for (const std::size_t hs : {1, 7, 8, 15, 16, 17, 48, 64, 65}) {
+    for (const std::vector<std::size_t>& runs :
+         {std::vector<std::size_t>{1}, {16}, {17}, {5, 9, 30}, {100, 156}, {256}}) {
+      const std::size_t stride = hs + 3;
+      const std::size_t ld = 256;
+      std::size_t total = 0;
+      for (const std::size_t r : runs) total += r;
+      const std::vector<float> keys = random_floats(total * stride, 9);  // [total][stride]
+      std::vector<float> kt((hs + 1) * ld, 42.0f);  // [hs + 1][ld]: one spare row
+      std::size_t col = 0;
+      for (const std::size_t r : runs) {
+        detail::pack_keys(GetParam(), kt.data(), ld, col, keys.data() + col * stride, stride, r,
+                          hs);
+        col += r;
+      }
+      for (std::size_t d = 0; d <= hs; ++d)
+        for (std::size_t c = 0; c < ld; ++c) {
+          const float want = d < hs && c < total ? keys[c * stride + d] : 42.0f;
+          ASSERT_EQ(kt[d * ld + c], want) << kernel_set_name(GetParam()) << " hs " << hs << " runs "
+                                          << runs.size() << " at (" << d << ", " << c << ")";
+        }
+    }
+  }
+}
+
 // o += p·v: each output adds rows products to its old value, m = rows + 1 terms.
 TEST_P(AttentionProductsTest, PvAccumulatesProbabilityWeightedValues) {
   for (const std::size_t hs : {1, 7, 8, 15, 16, 17, 33, 48, 64, 65, 100, 128}) {

@@ -1,10 +1,10 @@
 // The optimised kernels of every kernel set this CPU supports against naive loops written here:
 // GEMV (f32, bf16), the few-token GEMMs (gemm_few also against each token's GEMV; gemm_lanes of
-// batched steps also against its fma chain and the same token alone), the projection scheduler
-// (linear_group) at 1/2/3 threads, the int8 and 4-bit dequantization, the kernel-set choice, the
-// thread pool, bf16 rounding and threaded attention. Odd sizes (columns 1..70 and 95, 129, 295;
-// rows not multiples of any block; 1..16 tokens) cover every tail path. A set the CPU lacks is
-// skipped by name.
+// batched steps also against its fma chain and the same token alone), the packed GEMM and its
+// panel pack, attention's softmax exp, the projection scheduler (linear_group) at 1/2/3 threads,
+// the int8 and 4-bit dequantization, the kernel-set choice, the thread pool, bf16 rounding and
+// threaded attention. Odd sizes (columns 1..70 and 95, 129, 295; rows not multiples of any
+// block; 1..16 tokens) cover every tail path. A set the CPU lacks is skipped by name.
 //
 // f32 bound: a sum of n products computed in f32 in any order is within γ_n·Σ|w_i x_i| of the
 // exact sum, γ_n ≈ n·2^-24 (Higham, Accuracy and Stability, §3.1); the naive loop sums in double.
@@ -28,6 +28,7 @@
 #include "kvdecode/detail/linear.hpp"
 #include "kvdecode/detail/quantize.hpp"
 #include "kvdecode/detail/rotation.hpp"
+#include "kvdecode/detail/softmax_exp.hpp"
 #include "kvdecode/kvdecode.hpp"
 #include "test_util.hpp"
 
@@ -263,6 +264,77 @@ TEST_P(KernelSetTest, GemmPackedMatchesNaive) {
     GTEST_SKIP() << kernel_set_name(ks()) << " has no packed GEMM (Eigen's GEMM serves it)";
   check_gemm_packed<float>(ks());
   check_gemm_packed<bf16>(ks());
+}
+
+/// The panel pack of every set against the transpose written here: panel[k][j] = w[j][k]
+/// exactly (widening bf16 is exact), for row counts and depths that leave tails of the 16 × 16
+/// and 8 × 8 blocks; columns past rows are never read by the kernels, so they are not checked.
+template <class W>
+void check_pack_panel(KernelSet ks) {
+  for (const std::size_t rows : {1, 7, 8, 15, 16, 17, 40, 64})
+    for (const std::size_t in : {1, 5, 8, 15, 16, 17, 33, 288}) {
+      const auto w = random_vector<W>(rows * in, rows * 100 + in);
+      AlignedBuffer<float> panel(detail::kPanelRows * in);
+      std::fill_n(panel.data(), panel.size(), std::numeric_limits<float>::quiet_NaN());
+      detail::pack_panel(ks, panel.data(), w.data(), rows, in);
+      for (std::size_t k = 0; k < in; ++k)
+        for (std::size_t j = 0; j < rows; ++j)
+          ASSERT_EQ(panel.data()[k * detail::kPanelRows + j], static_cast<float>(w[j * in + k]))
+              << rows << "×" << in << " weight row " << j << " depth " << k;
+    }
+}
+
+TEST_P(KernelSetTest, PackPanelTransposesExactly) {
+  check_pack_panel<float>(ks());
+  check_pack_panel<bf16>(ks());
+}
+
+// softmax_exp against exp in double: within 4 · 2^-24 relative for results at or above
+// exp(kExpFloorArg) (measured over 2^20 arguments in [-87, 0]: at most 1.4 · 2^-24 for the x86
+// sets' polynomial, 2.0 · 2^-24 for the portable set's SSE2 Eigen exp). Below that every set
+// returns 0 or, where the result is still a normal float, a value within the bound. The sum is
+// within the f32 bound of a sum of cols terms (cols · 2^-24 relative, all terms positive) plus the
+// terms' own error.
+TEST_P(KernelSetTest, SoftmaxExpMatchesExpInDouble) {
+  const double floor_value = std::exp(static_cast<double>(detail::kExpFloorArg));
+  detail::SplitMix64 rng(11);
+  for (const std::size_t cols : {1, 7, 8, 9, 15, 16, 17, 31, 33, 100, 256}) {
+    std::vector<float> row(cols);  // scores spread over [shift − 100, shift], a few masked
+    const float shift = 3.5f;
+    for (std::size_t c = 0; c < cols; ++c)
+      row[c] = shift - static_cast<float>(50.0 * (rng.symmetric() + 1.0));
+    row[0] = shift;  // the row's max: exp(0) = 1
+    if (cols > 2) row[cols / 2] = -std::numeric_limits<float>::infinity();
+    if (cols > 3) row[cols - 1] = shift + detail::kExpFloorArg + 0.25f;  // just above the floor
+    if (cols > 4) row[1] = shift + detail::kExpFloorArg - 0.25f;         // just below it
+    const std::vector<float> in = row;
+    const float sum = detail::softmax_exp(ks(), row.data(), cols, shift);
+    double ref_sum = 0;
+    for (std::size_t c = 0; c < cols; ++c) {
+      const double x = static_cast<double>(in[c]) - static_cast<double>(shift);
+      const double ref = std::exp(x);
+      ref_sum += ref;
+      const double got = row[c];
+      if (ref >= floor_value) {
+        ASSERT_LE(std::abs(got - ref), 4 * 0x1p-24 * ref) << cols << " cols, x = " << x;
+      } else if (ref < static_cast<double>(std::numeric_limits<float>::min())) {
+        ASSERT_EQ(got, 0.0) << cols << " cols, x = " << x << ": no subnormal";
+      } else {
+        ASSERT_TRUE(got == 0.0 || std::abs(got - ref) <= 4 * 0x1p-24 * ref)
+            << cols << " cols, x = " << x;
+      }
+    }
+    ASSERT_LE(std::abs(static_cast<double>(sum) - ref_sum),
+              (static_cast<double>(cols) + 4) * 0x1p-24 * ref_sum)
+        << cols << " cols";
+  }
+}
+
+TEST_P(KernelSetTest, SoftmaxExpPassesNaN) {
+  std::vector<float> row = {0.0f, std::numeric_limits<float>::quiet_NaN(), -1.0f};
+  const float sum = detail::softmax_exp(ks(), row.data(), row.size(), 0.0f);
+  EXPECT_TRUE(std::isnan(row[1]));
+  EXPECT_TRUE(std::isnan(sum));
 }
 
 TEST_P(KernelSetTest, GemvRowRangeTouchesOnlyItsRows) {

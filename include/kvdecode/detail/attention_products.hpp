@@ -12,7 +12,8 @@
 #include <type_traits>
 
 #include "kvdecode/detail/cpu.hpp"
-#include "kvdecode/detail/gemm.hpp"  // eigen_gemm_as_wide, KVDECODE_UNROLL (gemv.hpp)
+#include "kvdecode/detail/gemm.hpp"         // eigen_gemm_as_wide, KVDECODE_UNROLL (gemv.hpp)
+#include "kvdecode/detail/gemm_packed.hpp"  // the register transposes
 
 namespace kvdecode::detail {
 
@@ -236,8 +237,62 @@ KVDECODE_TARGET_AVX2 inline void pv_avx2(float* o, std::size_t o_stride, const f
     pv_rows_avx2<1>(o + r * o_stride, o_stride, p + r * p_stride, p_stride, v, v_stride, rows, hs);
 }
 
+// ---------------------------------------------------------------------------------------------
+// pack_keys in 16 × 16 (AVX-512) and 8 × 8 (AVX2) register transposes; stores are masked to the
+// tile's columns [col, col + rows), which the next run's keys or the next row of kt follow.
+// ---------------------------------------------------------------------------------------------
+
+KVDECODE_TARGET_AVX512 inline void pack_keys_avx512(float* kt, std::size_t ld, std::size_t col,
+                                                    const float* keys, std::size_t stride,
+                                                    std::size_t rows, std::size_t hs) {
+  for (std::size_t c0 = 0; c0 < rows; c0 += 16) {
+    const std::size_t cn = std::min<std::size_t>(16, rows - c0);
+    const auto cm = static_cast<__mmask16>(cn == 16 ? 0xFFFFu : (1u << cn) - 1u);
+    for (std::size_t d0 = 0; d0 < hs; d0 += 16) {
+      const std::size_t dn = std::min<std::size_t>(16, hs - d0);
+      __m512i r[16];  // r[c]: key c0 + c, dimensions [d0, d0 + 16)
+      for (std::size_t c = 0; c < 16; ++c)
+        r[c] = c < cn ? load_widened_avx512(keys + (c0 + c) * stride + d0, dn)
+                      : _mm512_setzero_si512();
+      transpose_16x16_epi32(r);  // r[d]: dimension d0 + d of keys [c0, c0 + 16)
+      for (std::size_t d = 0; d < dn; ++d)
+        _mm512_mask_storeu_epi32(kt + (d0 + d) * ld + col + c0, cm, r[d]);
+    }
+  }
+}
+
+KVDECODE_TARGET_AVX2 inline void pack_keys_avx2(float* kt, std::size_t ld, std::size_t col,
+                                                const float* keys, std::size_t stride,
+                                                std::size_t rows, std::size_t hs) {
+  for (std::size_t c0 = 0; c0 < rows; c0 += 8) {
+    const std::size_t cn = std::min<std::size_t>(8, rows - c0);
+    const __m256i cm = lane_mask_avx2(cn);
+    for (std::size_t d0 = 0; d0 < hs; d0 += 8) {
+      const std::size_t dn = std::min<std::size_t>(8, hs - d0);
+      const __m256i dm = lane_mask_avx2(dn);
+      __m256 r[8];  // r[c]: key c0 + c, dimensions [d0, d0 + 8)
+      for (std::size_t c = 0; c < 8; ++c)
+        r[c] = c < cn ? _mm256_maskload_ps(keys + (c0 + c) * stride + d0, dm) : _mm256_setzero_ps();
+      transpose_8x8_avx2(r);  // r[d]: dimension d0 + d of keys [c0, c0 + 8)
+      for (std::size_t d = 0; d < dn; ++d)
+        _mm256_maskstore_ps(kt + (d0 + d) * ld + col + c0, cm, r[d]);
+    }
+  }
+}
+
 KVDECODE_INTRINSICS_END
 #endif  // KVDECODE_X86_KERNELS
+
+/// pack_keys with set ks's transposes (the portable set: element by element).
+inline void pack_keys(KernelSet ks, float* kt, std::size_t ld, std::size_t col, const float* keys,
+                      std::size_t stride, std::size_t rows, std::size_t hs) {
+#if KVDECODE_X86_KERNELS
+  if (ks == KernelSet::kAvx2) return pack_keys_avx2(kt, ld, col, keys, stride, rows, hs);
+  if (ks != KernelSet::kPortable) return pack_keys_avx512(kt, ld, col, keys, stride, rows, hs);
+#endif
+  static_cast<void>(ks);
+  pack_keys(kt, ld, col, keys, stride, rows, hs);
+}
 
 /// Whether attention runs set ks's products here rather than Eigen's: f32, an x86 set, and
 /// Eigen compiled narrower than the set (a native build keeps Eigen's GEMM).

@@ -216,8 +216,8 @@ constexpr bool has_gemm_few(KernelSet ks) {
 }
 
 /// Whether Eigen's GEMM, compiled with this translation unit's flags, is as wide as set ks's
-/// kernels. Where it is not (a build without -march flags on an AVX-512 CPU), many tokens run
-/// through gemm_few in blocks of kMaxFewTokens instead, several times faster than SSE2 Eigen.
+/// kernels. Where it is not (a build without -march flags on an AVX-512 CPU), attention's
+/// products run in the set's kernels (attention_products.hpp) instead of SSE2 Eigen.
 constexpr bool eigen_gemm_as_wide(KernelSet ks) {
 #if defined(__AVX512F__)
   static_cast<void>(ks);

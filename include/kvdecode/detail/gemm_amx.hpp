@@ -14,6 +14,7 @@
 
 #include "kvdecode/bf16.hpp"
 #include "kvdecode/detail/cpu.hpp"
+#include "kvdecode/detail/gemm_packed.hpp"  // transpose_16x16_epi32
 
 namespace kvdecode::detail {
 
@@ -93,32 +94,6 @@ KVDECODE_TARGET_AMX inline void pack_x_amx_avx512(bf16* a, const float* x, std::
       const __m512bh v = _mm512_cvtne2ps_pbh(hi, lo);
       _mm512_storeu_si512(a + t * lda + c, reinterpret_cast<const __m512i&>(v));
     }
-  }
-}
-
-/// r [16] rows of 16 32-bit lanes, transposed in place (lane j of row i ↔ lane i of row j).
-KVDECODE_TARGET_AMX inline void transpose_16x16_epi32(__m512i r[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  __m512i u[16];  // u[4i + c], 128-bit lane L: column 4L + c of rows 4i .. 4i + 3
-  for (int i = 0; i < 4; ++i) {
-    u[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-  }
-  for (int c = 0; c < 4; ++c) {
-    const __m512i x0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88);
-    const __m512i x1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xDD);
-    const __m512i y0 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88);
-    const __m512i y1 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xDD);
-    r[c] = _mm512_shuffle_i32x4(x0, y0, 0x88);
-    r[4 + c] = _mm512_shuffle_i32x4(x1, y1, 0x88);
-    r[8 + c] = _mm512_shuffle_i32x4(x0, y0, 0xDD);
-    r[12 + c] = _mm512_shuffle_i32x4(x1, y1, 0xDD);
   }
 }
 

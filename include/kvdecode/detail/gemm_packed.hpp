@@ -18,8 +18,9 @@
 
 namespace kvdecode::detail {
 
-/// panel [in][kPanelRows] columns [0, rows) = w [rows][in]ᵀ widened to float; columns past rows
-/// are left as they are (the kernels never store them).
+/// panel [in][kPanelRows] columns [0, rows) = w [rows][in]ᵀ widened to float, element by element
+/// (the portable set's pack and the reference of the vectorized ones); columns past rows are left
+/// as they are (the kernels never store them).
 template <class W>
 inline void pack_panel(float* panel, const W* w, std::size_t rows, std::size_t in) {
   for (std::size_t j = 0; j < rows; ++j) {
@@ -32,15 +33,157 @@ inline void pack_panel(float* panel, const W* w, std::size_t rows, std::size_t i
 /// kPackedDepth + in / kPackedDepth terms, not of `in` (blocked summation).
 inline constexpr std::size_t kPackedDepth = 64;
 
+/// Bytes of weights to be packed next, asked for while the current panel's tiles run: those are
+/// compute bound and leave the memory idle, and the pack would otherwise wait for every line of
+/// a matrix that does not fit in cache. Each tile asks for its share a line per depth step, so
+/// the requests never pile up beyond what the memory system holds in flight.
+struct NextWeights {
+  const char* p = nullptr;
+  std::size_t bytes = 0;
+
+  /// Part [t0, t1) of n equal parts (the share of the tiles of tokens [t0, t1) of n).
+  NextWeights part(std::size_t t0, std::size_t t1, std::size_t n) const {
+    const std::size_t lo = t0 * bytes / n / 64 * 64;
+    const std::size_t hi = t1 * bytes / n;
+    return hi > lo ? NextWeights{p + lo, hi - lo} : NextWeights{};
+  }
+  /// Asks for lines [first, last) of these bytes (those that exist).
+  void lines(std::size_t first, std::size_t last) const {
+#if defined(__GNUC__)
+    for (std::size_t o = first * 64; o < last * 64 && o < bytes; o += 64)
+      __builtin_prefetch(p + o, 0, 2);
+#else
+    static_cast<void>(first), static_cast<void>(last);
+#endif
+  }
+};
+
 #if KVDECODE_X86_KERNELS
 KVDECODE_INTRINSICS_BEGIN
+
+// ---------------------------------------------------------------------------------------------
+// Packing: the panel is written in 16 × 16 (AVX-512) or 8 × 8 (AVX2) blocks, each block of weight
+// rows loaded (and widened) a row at a time and transposed in registers, so every load and store
+// is a whole vector.
+// ---------------------------------------------------------------------------------------------
+
+/// r [16] rows of 16 32-bit lanes, transposed in place (lane j of row i ↔ lane i of row j).
+KVDECODE_TARGET_AVX512 inline void transpose_16x16_epi32(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  __m512i u[16];  // u[4i + c], 128-bit lane L: column 4L + c of rows 4i .. 4i + 3
+  for (int i = 0; i < 4; ++i) {
+    u[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512i x0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88);
+    const __m512i x1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xDD);
+    const __m512i y0 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88);
+    const __m512i y1 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xDD);
+    r[c] = _mm512_shuffle_i32x4(x0, y0, 0x88);
+    r[4 + c] = _mm512_shuffle_i32x4(x1, y1, 0x88);
+    r[8 + c] = _mm512_shuffle_i32x4(x0, y0, 0xDD);
+    r[12 + c] = _mm512_shuffle_i32x4(x1, y1, 0xDD);
+  }
+}
+
+/// Lanes [0, count) of p widened to float bits, the rest zero.
+template <class W>
+KVDECODE_TARGET_AVX512 inline __m512i load_widened_avx512(const W* p, std::size_t count) {
+  const auto m = static_cast<__mmask16>(count >= 16 ? 0xFFFFu : (1u << count) - 1u);
+  if constexpr (std::is_same_v<W, float>) {
+    return _mm512_maskz_loadu_epi32(m, p);
+  } else {
+    static_assert(std::is_same_v<W, bf16>);
+    return _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16);
+  }
+}
+
+/// pack_panel in 16 × 16 blocks; columns past rows up to the next multiple of 16 become zero.
+template <class W>
+KVDECODE_TARGET_AVX512 inline void pack_panel_avx512(float* panel, const W* w, std::size_t rows,
+                                                     std::size_t in) {
+  for (std::size_t j0 = 0; j0 < rows; j0 += 16) {
+    const std::size_t jn = std::min<std::size_t>(16, rows - j0);
+    for (std::size_t k0 = 0; k0 < in; k0 += 16) {
+      const std::size_t kn = std::min<std::size_t>(16, in - k0);
+      __m512i r[16];  // r[j]: weight row j0 + j, depths [k0, k0 + 16)
+      for (std::size_t j = 0; j < 16; ++j)
+        r[j] = j < jn ? load_widened_avx512(w + (j0 + j) * in + k0, kn) : _mm512_setzero_si512();
+      transpose_16x16_epi32(r);  // r[k]: depth k0 + k, weight rows [j0, j0 + 16)
+      for (std::size_t k = 0; k < kn; ++k)
+        _mm512_storeu_si512(panel + (k0 + k) * kPanelRows + j0, r[k]);
+    }
+  }
+}
+
+/// r [8] rows of 8 floats, transposed in place.
+KVDECODE_TARGET_AVX2 inline void transpose_8x8_avx2(__m256 r[8]) {
+  __m256 t[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  __m256 u[8];  // u[4i + c], 128-bit lane L: column 4L + c of rows 4i .. 4i + 3
+  for (int i = 0; i < 2; ++i) {
+    u[4 * i + 0] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  for (int c = 0; c < 4; ++c) {
+    r[c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x20);
+    r[4 + c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x31);
+  }
+}
+
+/// 8 elements of p widened to float.
+template <class W>
+KVDECODE_TARGET_AVX2 inline __m256 load8_widened_avx2(const W* p) {
+  if constexpr (std::is_same_v<W, float>) {
+    return _mm256_loadu_ps(p);
+  } else {
+    static_assert(std::is_same_v<W, bf16>);
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+}
+
+/// pack_panel in 8 × 8 blocks (depths past the last multiple of 8 element by element); columns
+/// past rows up to the next multiple of 8 become zero.
+template <class W>
+KVDECODE_TARGET_AVX2 inline void pack_panel_avx2(float* panel, const W* w, std::size_t rows,
+                                                 std::size_t in) {
+  const std::size_t in8 = in / 8 * 8;
+  for (std::size_t j0 = 0; j0 < rows; j0 += 8) {
+    const std::size_t jn = std::min<std::size_t>(8, rows - j0);
+    for (std::size_t k0 = 0; k0 < in8; k0 += 8) {
+      __m256 r[8];  // r[j]: weight row j0 + j, depths [k0, k0 + 8)
+      for (std::size_t j = 0; j < 8; ++j)
+        r[j] = j < jn ? load8_widened_avx2(w + (j0 + j) * in + k0) : _mm256_setzero_ps();
+      transpose_8x8_avx2(r);  // r[k]: depth k0 + k, weight rows [j0, j0 + 8)
+      for (std::size_t k = 0; k < 8; ++k)
+        _mm256_storeu_ps(panel + (k0 + k) * kPanelRows + j0, r[k]);
+    }
+    for (std::size_t j = j0; j < j0 + jn; ++j)
+      for (std::size_t k = in8; k < in; ++k)
+        panel[k * kPanelRows + j] = widen<float>(w[j * in + k]);
+  }
+}
 
 /// y rows [0, R) columns [0, cols) = x [R][in] · panel [in][0, cols), cols ≤ 64: 6 × 4
 /// accumulators, four panel loads and six broadcasts per 24 multiply-adds.
 template <int R>
 KVDECODE_TARGET_AVX512 inline void packed_tile_avx512(float* y, std::size_t y_stride,
                                                       const float* x, std::size_t in,
-                                                      const float* panel, std::size_t cols) {
+                                                      const float* panel, std::size_t cols,
+                                                      NextWeights next = {}) {
   __mmask16 m[4];
   KVDECODE_UNROLL
   for (int j = 0; j < 4; ++j) {
@@ -55,6 +198,7 @@ KVDECODE_TARGET_AVX512 inline void packed_tile_avx512(float* y, std::size_t y_st
     for (int i = 0; i < R; ++i) KVDECODE_UNROLL
     for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();
     for (std::size_t k = k0; k < k1; ++k) {
+      next.lines(k, k + 1);
       const float* p = panel + k * kPanelRows;
       const __m512 w0 = _mm512_loadu_ps(p);
       const __m512 w1 = _mm512_loadu_ps(p + 16);
@@ -83,10 +227,14 @@ KVDECODE_TARGET_AVX512 inline void packed_tile_avx512(float* y, std::size_t y_st
 KVDECODE_TARGET_AVX512 inline void packed_panel_avx512(float* y, std::size_t y_stride,
                                                        const float* x, std::size_t n,
                                                        std::size_t in, const float* panel,
-                                                       std::size_t cols) {
+                                                       std::size_t cols, NextWeights next) {
   std::size_t t = 0;
-  for (; t + 6 <= n; t += 6)
-    packed_tile_avx512<6>(y + t * y_stride, y_stride, x + t * in, in, panel, cols);
+  for (; t + 6 <= n; t += 6) {
+    const NextWeights share = next.part(t, t + 6, n);
+    packed_tile_avx512<6>(y + t * y_stride, y_stride, x + t * in, in, panel, cols, share);
+    share.lines(in, share.bytes / 64 + 1);  // what a depth step each did not cover
+  }
+  next.part(t, n, n).lines(0, n * in);
   for (; t + 2 <= n; t += 2)
     packed_tile_avx512<2>(y + t * y_stride, y_stride, x + t * in, in, panel, cols);
   if (t < n) packed_tile_avx512<1>(y + t * y_stride, y_stride, x + t * in, in, panel, cols);
@@ -96,7 +244,7 @@ KVDECODE_TARGET_AVX512 inline void packed_panel_avx512(float* y, std::size_t y_s
 template <int R>
 KVDECODE_TARGET_AVX2 inline void packed_tile_avx2(float* y, std::size_t y_stride, const float* x,
                                                   std::size_t in, const float* panel,
-                                                  std::size_t cols) {
+                                                  std::size_t cols, NextWeights next = {}) {
   const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   __m256i m[4];
   KVDECODE_UNROLL
@@ -112,6 +260,7 @@ KVDECODE_TARGET_AVX2 inline void packed_tile_avx2(float* y, std::size_t y_stride
     for (int i = 0; i < R; ++i) KVDECODE_UNROLL
     for (int j = 0; j < 4; ++j) acc[i][j] = _mm256_setzero_ps();
     for (std::size_t k = k0; k < k1; ++k) {
+      next.lines(k, k + 1);
       const float* p = panel + k * kPanelRows;
       __m256 xb[R];
       KVDECODE_UNROLL
@@ -137,12 +286,18 @@ KVDECODE_TARGET_AVX2 inline void packed_tile_avx2(float* y, std::size_t y_stride
 
 KVDECODE_TARGET_AVX2 inline void packed_panel_avx2(float* y, std::size_t y_stride, const float* x,
                                                    std::size_t n, std::size_t in,
-                                                   const float* panel, std::size_t cols) {
+                                                   const float* panel, std::size_t cols,
+                                                   NextWeights next) {
   for (std::size_t h = 0; h < cols; h += 32) {
     const std::size_t c = std::min<std::size_t>(32, cols - h);
     std::size_t t = 0;
-    for (; t + 3 <= n; t += 3)
-      packed_tile_avx2<3>(y + t * y_stride + h, y_stride, x + t * in, in, panel + h, c);
+    const std::size_t halves = (cols + 31) / 32;  // the next weights shared over both halves
+    for (; t + 3 <= n; t += 3) {
+      const NextWeights share = next.part((h / 32) * n + t, (h / 32) * n + t + 3, halves * n);
+      packed_tile_avx2<3>(y + t * y_stride + h, y_stride, x + t * in, in, panel + h, c, share);
+      share.lines(in, share.bytes / 64 + 1);
+    }
+    next.part((h / 32) * n + t, (h / 32 + 1) * n, halves * n).lines(0, n * in);
     for (; t < n; ++t)
       packed_tile_avx2<1>(y + t * y_stride + h, y_stride, x + t * in, in, panel + h, c);
   }
@@ -158,6 +313,18 @@ constexpr bool has_gemm_packed(KernelSet ks) {
          (std::is_same_v<W, float> || std::is_same_v<W, bf16>)&&ks != KernelSet::kPortable;
 }
 
+/// pack_panel with set ks's vectorized pack (the portable set: element by element). Columns past
+/// rows up to the next multiple of 16 may become zero.
+template <class W>
+void pack_panel(KernelSet ks, float* panel, const W* w, std::size_t rows, std::size_t in) {
+#if KVDECODE_X86_KERNELS
+  if (ks == KernelSet::kAvx2) return pack_panel_avx2(panel, w, rows, in);
+  if (ks != KernelSet::kPortable) return pack_panel_avx512(panel, w, rows, in);
+#endif
+  static_cast<void>(ks);
+  pack_panel(panel, w, rows, in);
+}
+
 /// y [n][out] columns [c0, c1) = x [n][in] · w [c0..c1)[in]ᵀ with set ks (has_gemm_packed), on
 /// the thread's panel [in][kPanelRows].
 template <class W>
@@ -165,14 +332,18 @@ void gemm_packed(KernelSet ks, float* y, const float* x, const W* w, std::size_t
                  std::size_t out, std::size_t c0, std::size_t c1, float* panel) {
   for (std::size_t b = c0; b < c1; b += kPanelRows) {
     const std::size_t cols = std::min(kPanelRows, c1 - b);
-    pack_panel(panel, w + b * in, cols, in);
+    pack_panel(ks, panel, w + b * in, cols, in);
+    NextWeights next;
+    if (b + cols < c1)
+      next = {reinterpret_cast<const char*>(w + (b + cols) * in),
+              std::min(kPanelRows, c1 - b - cols) * in * sizeof(W)};
 #if KVDECODE_X86_KERNELS
     if (ks == KernelSet::kAvx2)
-      packed_panel_avx2(y + b, out, x, n, in, panel, cols);
+      packed_panel_avx2(y + b, out, x, n, in, panel, cols, next);
     else
-      packed_panel_avx512(y + b, out, x, n, in, panel, cols);
+      packed_panel_avx512(y + b, out, x, n, in, panel, cols, next);
 #else
-    static_cast<void>(ks), static_cast<void>(x), static_cast<void>(n), static_cast<void>(out);
+    static_cast<void>(x), static_cast<void>(n), static_cast<void>(out), static_cast<void>(next);
 #endif
   }
 }

@@ -119,11 +119,11 @@ void linear_group_blocks(std::initializer_list<Projection<T, W>> ps, const T* x,
 /// One token: run_row_chunks. Several tokens (GEMM, compute bound): a static split into one slice
 /// per thread (slices of 16 rows); up to kMaxFewTokens tokens with a gemm_few kernel, each weight
 /// row is streamed once for all of them and summed as the GEMV sums it (or, for order kLanes,
-/// gemm_lanes with outputs in vector lanes); more tokens run Eigen's
-/// GEMM (gemm_cols), which packs the input once per call and wants large slices, unless this
-/// translation unit's Eigen is narrower than the set's kernels (eigen_gemm_as_wide): then
-/// gemm_packed. With bf16 weights and several tokens, x is rounded once into scratch.x_rounded for
-/// every thread (the rule in gemv.hpp); more than kMaxFewTokens run on AMX tiles where
+/// gemm_lanes with outputs in vector lanes); more tokens run the set's packed GEMM
+/// (gemm_packed), which matches or beats Eigen's GEMM even where Eigen is compiled as wide, so
+/// builds with and without -march flags run the same kernels; the portable set keeps Eigen's
+/// GEMM (gemm_cols). With bf16 weights and several tokens, x is rounded once into scratch.x_rounded
+/// for every thread (the rule in gemv.hpp); more than kMaxFewTokens run on AMX tiles where
 /// amx_applies (gemm_amx.hpp), x rounded to bf16 rows in that scratch.
 template <class T, class W>
 void linear_group_values(std::initializer_list<Projection<T, W>> ps, const T* x, std::size_t n,
@@ -154,7 +154,7 @@ void linear_group_values(std::initializer_list<Projection<T, W>> ps, const T* x,
   const bool few = has_gemm_few<T, W>(ks) && n <= kMaxFewTokens;
   const bool lanes =
       order == FewTokenOrder::kLanes && has_gemm_lanes<T, W>(ks) && n <= kMaxFewTokens;
-  const bool packed = !few && has_gemm_packed<T, W>(ks) && !eigen_gemm_as_wide(ks);
+  const bool packed = !few && has_gemm_packed<T, W>(ks);
   parallel_run(threads, [&](std::size_t t, std::size_t nt) {
     for (const Projection<T, W>& p : ps) {
       const auto [r0, r1] = ThreadPool::share(p.out, nt, t, 16);

@@ -16,6 +16,7 @@
 #include "kvdecode/detail/coded_attention.hpp"
 #include "kvdecode/detail/ops.hpp"
 #include "kvdecode/detail/rotation.hpp"
+#include "kvdecode/detail/softmax_exp.hpp"
 #include "kvdecode/error.hpp"
 #include "kvdecode/model/model_config.hpp"
 #include "kvdecode/store/kv_store.hpp"
@@ -118,9 +119,10 @@ inline void prefetch_rows(const T* keys, const T* values, std::size_t count) {
 /// One query's step of the online softmax over a tile: row [cols] holds its scores (-inf where
 /// masked) and becomes exp(score - new max); the running max m and sum l are updated and the
 /// output row o [hs] rescaled to the new max. Returns false, the row zeroed, when nothing in
-/// the tile is visible.
+/// the tile is visible. f32 takes set ks's exp (softmax_exp.hpp).
 template <class T>
-inline bool online_softmax_row(T* row_data, std::size_t cols, T& m, T& l, T* o, std::size_t hs) {
+inline bool online_softmax_row(T* row_data, std::size_t cols, T& m, T& l, T* o, std::size_t hs,
+                               KernelSet ks) {
   const T neg_inf = -std::numeric_limits<T>::infinity();
   Eigen::Map<Eigen::Matrix<T, 1, Eigen::Dynamic>> row(row_data, static_cast<Eigen::Index>(cols));
   const T tile_max = row.maxCoeff();
@@ -130,12 +132,17 @@ inline bool online_softmax_row(T* row_data, std::size_t cols, T& m, T& l, T* o, 
   }
   const T new_max = std::max(m, tile_max);
   const T correction = std::exp(m - new_max);  // exp(-inf) = 0 on the first tile
-  row = (row.array() - new_max).exp();
-  // exp below the smallest normal float is subnormal (a libm exp gives them; Eigen's own
-  // vectorized exp clamps): it adds nothing to an f32 sum, and every multiply-add it enters
-  // takes a slow microcode assist.
-  row = (row.array() >= std::numeric_limits<T>::min()).select(row, T(0));
-  l = l * correction + row.sum();
+  T sum;
+  if constexpr (std::is_same_v<T, float>) {
+    sum = softmax_exp(ks, row_data, cols, new_max);
+  } else {
+    static_cast<void>(ks);
+    row = (row.array() - new_max).exp();
+    // Results below the smallest normal are zeroed, as softmax_exp does (its header says why).
+    row = (row.array() < std::numeric_limits<T>::min()).select(T(0), row);
+    sum = row.sum();
+  }
+  l = l * correction + sum;
   m = new_max;
   if (correction != T(1))
     Eigen::Map<Eigen::Matrix<T, 1, Eigen::Dynamic>>(o, static_cast<Eigen::Index>(hs)) *= correction;
@@ -214,7 +221,7 @@ void attend_kv_head_coded(const ModelConfig& cfg, const S& store, std::size_t la
             if constexpr (MaskingKvStore<S>) visible = visible && !store.masks(qi, first + c);
             if (!visible) srow[c] = neg_inf;
           }
-        if (online_softmax_row(srow, rows, m_all[j * n + r], l_all[j * n + r], o, hs))
+        if (online_softmax_row(srow, rows, m_all[j * n + r], l_all[j * n + r], o, hs, ks))
           pv_of(o, srow);
       }
     }
@@ -365,7 +372,8 @@ void attend_kv_head(const ModelConfig& cfg, const S& store, std::size_t layer, s
     if constexpr (std::is_same_v<T, float>)
       if (own_products)
         for (std::size_t k = 0; k < n_runs; ++k)
-          detail::pack_keys(kt, kTile, runs[k].col, runs[k].keys, runs[k].stride, runs[k].rows, hs);
+          detail::pack_keys(ks, kt, kTile, runs[k].col, runs[k].keys, runs[k].stride, runs[k].rows,
+                            hs);
     const auto ci = static_cast<Eigen::Index>(cols);
     const TileRun& last = runs[n_runs - 1];
     // Every query sees every key of the tile unless a key lies past the first query or the
@@ -416,7 +424,7 @@ void attend_kv_head(const ModelConfig& cfg, const S& store, std::size_t layer, s
             }
           }
         }
-        detail::online_softmax_row(row.data(), cols, m[r], l[r], out + r * dim + h * hs, hs);
+        detail::online_softmax_row(row.data(), cols, m[r], l[r], out + r * dim + h * hs, hs, ks);
       }
       for (std::size_t k = 0; k < n_runs; ++k) {
         const TileRun& run = runs[k];
