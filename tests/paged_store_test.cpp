@@ -1,6 +1,6 @@
 // PagedStore and BlockPool: the store conformance suite at several block sizes, paging against
 // the contiguous store (bit-identical; the f32 bound where the kernel set's attention products
-// sum a fragmented tile per block),
+// sum a fragmented tile per block), keep_runs placing sequences appended in turn,
 // fork / copy-on-write, truncate, exhaustion, the prefix cache (hits, collisions, LRU eviction),
 // multi-turn continuation, and a decode step that allocates nothing.
 #define EIGEN_RUNTIME_NO_MALLOC
@@ -115,7 +115,7 @@ std::vector<KvBlock<float>> blocks_of(const PagedStore<float>& s, std::size_t en
 
 TEST(PagedStoreTest, AppendCrossesPageBoundary) {
   const ModelConfig cfg = small_config(4, 2, 64);
-  BlockPool<float> pool(cfg, 8, 4);
+  BlockPool<float> pool(cfg, 8, 4, BlockPoolOptions{.keep_runs = false});
   PagedStore<float> s(pool), other(pool);
   write_rows(s, 0, 6);  // positions 0..5: blocks 0 and 1, 4 + 2 rows
   EXPECT_EQ(s.block_table().size(), 2u);
@@ -161,8 +161,10 @@ TEST(PagedStoreTest, MatchesContiguousBitForBitUnlessRunsBreakTiles) {
   const Tokens tokens = random_tokens(560, cfg.vocab_size, 9);
   constexpr std::size_t kTile = AttentionScratch<float>::kTile;
   BlockPool<float> one_run_pool(cfg, 700 / 16 + 1, 16);
-  BlockPool<float> small_pool(cfg, 2 * (700 / 16 + 1), 16);
-  BlockPool<float> tile_pool(cfg, 2 * (700 / kTile + 1), kTile);
+  // Without keep_runs a filler takes the block after each of a sequence's.
+  const BlockPoolOptions interleave{.keep_runs = false};
+  BlockPool<float> small_pool(cfg, 2 * (700 / 16 + 1), 16, interleave);
+  BlockPool<float> tile_pool(cfg, 2 * (700 / kTile + 1), kTile, interleave);
   ContiguousStore<float> contiguous(cfg);
   PagedStore<float> one_run(one_run_pool), small(small_pool), tiled(tile_pool);
   std::vector<PagedStore<float>> fillers;  // each takes one block between two of a sequence's
@@ -205,7 +207,7 @@ TEST(PagedStoreTest, FragmentedTableMatchesContiguousBitForBitInDouble) {
   const ModelConfig cfg = small_config(4, 2, 600);
   const Model<double> model(random_weights<double>(cfg, 6));
   const Tokens tokens = random_tokens(560, cfg.vocab_size, 10);
-  BlockPool<double> pool(cfg, 2 * (600 / 16 + 1), 16);
+  BlockPool<double> pool(cfg, 2 * (600 / 16 + 1), 16, BlockPoolOptions{.keep_runs = false});
   ContiguousStore<double> contiguous(cfg);
   PagedStore<double> paged(pool);
   std::vector<PagedStore<double>> fillers;
@@ -226,6 +228,30 @@ TEST(PagedStoreTest, FragmentedTableMatchesContiguousBitForBitInDouble) {
   const auto table = paged.block_table();
   for (std::size_t i = 1; i < table.size(); ++i)
     ASSERT_NE(table[i], table[i - 1] + 1) << "block " << i << " is adjacent to the previous one";
+}
+
+// Four sequences taking a position each in turn: with keep_runs each grows into its own part of
+// the pool (A from block 0, B from the middle of the rest, C and D in the middles of the halves
+// left), so each table is one run; without it they take every fourth block.
+TEST(PagedStoreTest, SequencesAppendedInTurnKeepTheirBlocksInOneRun) {
+  const ModelConfig cfg = small_config(4, 2, 64);
+  for (const bool keep_runs : {true, false}) {
+    BlockPool<float> pool(cfg, 64, 4, BlockPoolOptions{.keep_runs = keep_runs});
+    std::vector<PagedStore<float>> seqs;
+    for (int i = 0; i < 4; ++i) seqs.emplace_back(pool);
+    for (std::size_t p = 0; p < 40; ++p)
+      for (auto& s : seqs) write_rows(s, p, 1);
+    const std::vector<std::size_t> first = {0, 32, 16, 48};
+    for (std::size_t q = 0; q < seqs.size(); ++q) {
+      const auto table = seqs[q].block_table();
+      ASSERT_EQ(table.size(), 10u);
+      for (std::size_t i = 0; i < table.size(); ++i)
+        EXPECT_EQ(table[i], keep_runs ? first[q] + i : q + 4 * i)
+            << "sequence " << q << ", block " << i << ", keep_runs " << keep_runs;
+      EXPECT_EQ(blocks_of(seqs[q], 40).size(), keep_runs ? 1u : 10u);
+    }
+    pool.check_invariants();
+  }
 }
 
 TEST(PagedStoreTest, ForkSharesEveryBlockAndCopiesOnWrite) {

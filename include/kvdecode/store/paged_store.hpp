@@ -189,12 +189,16 @@ class PagedStore {
                    pool_->n_available(), " available (", pool_->n_free(), " free, ",
                    pool_->n_evictable(), " cached evictable) of ", pool_->n_blocks());
     // Nothing below throws: the vectors were reserved for the capacity.
+    // Each block asks for the one after the previous block, so the table stays one run where
+    // the pool allows (BlockPool::acquire).
     if (cow) {
-      const std::size_t copy = pool_->acquire();
+      const std::size_t copy =
+          pool_->acquire(table_.size() >= 2 ? table_[table_.size() - 2] : BlockPool<T>::kNone);
       pool_->copy_block(copy, table_.back());
       cow_from_ = std::exchange(table_.back(), copy);
     }
-    for (std::size_t i = 0; i < fresh; ++i) table_.push_back(pool_->acquire());
+    for (std::size_t i = 0; i < fresh; ++i)
+      table_.push_back(pool_->acquire(table_.empty() ? BlockPool<T>::kNone : table_.back()));
     new_blocks_ = fresh;
     tokens_.insert(tokens_.end(), tokens.begin(), tokens.end());
     pending_ = n;
@@ -478,8 +482,9 @@ class PagedStore {
     for (PagedStore* t : targets) t->release();
     const std::size_t bs = pool.block_size(), hs = pool.head_size();
     std::vector<std::uint64_t>& ids = s.first;  // reused: saved index → pool block id
-    for (std::size_t k = 0; k < ids.size(); ++k) {
-      const std::size_t b = pool.acquire();
+    for (std::size_t k = 0, prev = BlockPool<T>::kNone; k < ids.size(); ++k) {
+      const std::size_t b = pool.acquire(prev);  // the saved blocks in one run where they fit
+      prev = b;
       for (std::uint64_t r = 1; r < s.holders[k]; ++r) pool.retain(b);
       const std::size_t run = static_cast<std::size_t>(s.rows[k]) * hs;
       const T* kd = s.keys.data() + ids[k];
