@@ -51,6 +51,18 @@ class PagedStore {
     std::size_t capacity = 0;     ///< positions of the sequence; 0 means cfg.seq_len
   };
 
+  /// The smallest block size (a power of two, at least 16) whose rows of one (layer, kv head),
+  /// block_size × head_size × sizeof(T) bytes, fill a 4 KiB page: a sequence whose blocks are
+  /// scattered then hands attention runs of at least a page, which the hardware prefetcher
+  /// streams; each sequence leaves up to block_size − 1 positions of its last block unused
+  /// (MemoryPlanner::padding_bytes).
+  static constexpr std::size_t streaming_block_size(const ModelConfig& cfg) {
+    const auto row = static_cast<std::size_t>(cfg.head_size()) * sizeof(T);
+    std::size_t bs = 16;
+    while (bs * row < 4096) bs *= 2;
+    return bs;
+  }
+
   /// The blocks of one sequence of `capacity` positions held alone (shared blocks only make a
   /// sequence's share smaller): ceil(capacity / block_size) × block_size positions of K and V.
   static constexpr std::uint64_t memory_bytes_for(const ModelConfig& cfg, const Options& o) {
