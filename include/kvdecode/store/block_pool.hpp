@@ -50,10 +50,11 @@ struct PrefixCacheStats {
 /// Within a block each (layer, kv head) is one dense [block_size][head_size] run, which is a
 /// KvBlock with stride head_size. Why (layer, head)-major rather than block-major: blocks b and
 /// b+1 of one (layer, kv head) are then adjacent, so a sequence whose table holds consecutive
-/// ids (a prefill takes its blocks in one go, lowest id first) hands attention one KvBlock per
-/// run instead of one per block — the contiguous store's layout, with its 256-row tiles,
-/// instead of a 16-row online-softmax step per block. The cost is that a copy-on-write copies
-/// n_layers × n_kv_heads runs of a block rather than one range, once per shared block written.
+/// ids (each block it takes is the one after its last where free: acquire) hands attention one
+/// KvBlock per run instead of one per block — the contiguous store's layout, with its 256-row
+/// tiles, instead of a 16-row online-softmax step per block. The cost is that a copy-on-write
+/// copies n_layers × n_kv_heads runs of a block rather than one range, once per shared block
+/// written.
 ///
 /// Every block is in exactly one state:
 ///   free    ref 0, not cached, on the free list;
@@ -147,7 +148,7 @@ class BlockPool {
     std::size_t buckets = 1;
     while (buckets < 2 * n_blocks_) buckets *= 2;
     buckets_.assign(buckets, kNone);
-    // Handed out lowest id first, which keeps the blocks of a fresh sequence in address order.
+    // Without keep_runs, handed out lowest id first: a fresh sequence's blocks in address order.
     free_.reserve(n_blocks_);
     free_pos_.assign(n_blocks_, kNone);
     for (std::size_t b = n_blocks_; b-- > 0;) push_free(b);
