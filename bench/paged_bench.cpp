@@ -5,8 +5,11 @@
 //   BM_TimeToFirstToken       a 256-token system prompt + 32-token question, with the system
 //                             prompt in the prefix cache (cached:1) or not (cached:0);
 //   BM_Decode                 one decode step at B = 1 at a fixed context, contiguous (the
-//                             baseline) vs paged with 16-token blocks, in one run of adjacent
-//                             blocks or fragmented into single blocks;
+//                             baseline) vs paged with 16-token blocks: one run of adjacent
+//                             blocks; beside another growing sequence or among new requests, as
+//                             the pool places them; fragmented into single blocks;
+//   BM_DecodeInterleaved      the five layouts of BM_Decode stepped in turn in one run: the
+//                             median step of each, whatever else the machine runs;
 //   BM_DecodeBatch            one Model::decode_batch step of B sequences at ~128 positions of
 //                             context each, on the 15M and 42M shapes, 1 or 2 threads: aggregate
 //                             tokens/s as items/s (B = 1 is the baseline).
@@ -18,6 +21,8 @@
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
+#include <array>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <memory>
@@ -150,23 +155,45 @@ BENCHMARK(BM_TimeToFirstToken)->ArgName("cached")->Arg(0)->Arg(1)->Unit(benchmar
 // Decode at B = 1: the paging cost is in attention (one KvBlock per 16 positions instead of one
 // per 256-row tile) and in write (a table lookup per row).
 
-enum class Layout { kContiguous, kPagedOneRun, kPagedFragmented };
+enum class Layout {
+  kContiguous,
+  kPagedOneRun,
+  kPagedInterleaved,
+  kPagedNewRequests,
+  kPagedFragmented
+};
 
 /// Runs `prompt` into a store of the layout. kPagedOneRun: a fresh pool, so the prefill takes
 /// consecutive blocks and attention reads them as one run (the common case after a prefill).
-/// kPagedFragmented: another sequence takes a block between each two of this one's (as
-/// round-robin decoding of several sequences does), so attention gets one 16-row KvBlock each.
+/// kPagedInterleaved: another sequence, growing in turn with this one, takes a block after each
+/// of this one's (round-robin decoding of two sequences), on a pool that keeps runs
+/// (BlockPoolOptions::keep_runs, the default). kPagedNewRequests: a new one-block request
+/// arrives after each of this one's blocks and stays, on a pool that keeps runs: each takes the
+/// middle of the longest free run, the room this sequence was growing into, so its runs halve.
+/// kPagedFragmented: the same requests without keep_runs, so every block is its own run (one
+/// 2 KiB KvBlock per layer and kv head at 16 positions), the worst case for attention.
+/// The longest context BM_Decode runs (past the demo model's seq_len: stores allow it).
+constexpr std::size_t kMaxDecodeContext = 2048;
+
 struct DecodeSetup {
-  DecodeSetup(Layout layout, std::span<const std::int32_t> prompt, Activations<float>& act)
-      : contiguous(bench_config()), pool(bench_config(), 2 * 1024 / 16, 16), paged(pool) {
+  DecodeSetup(Layout layout, std::span<const std::int32_t> prompt, Activations<float>& act,
+              std::size_t block_size = 16)
+      : contiguous(bench_config(), kMaxDecodeContext),
+        pool(bench_config(), 2 * kMaxDecodeContext / block_size, block_size,
+             BlockPoolOptions{.capacity = kMaxDecodeContext,
+                              .keep_runs = layout != Layout::kPagedFragmented}),
+        paged(pool),
+        other(pool) {
     const Model<float>& model = bench_model();
     if (layout == Layout::kContiguous) {
       model.prefill(prompt, contiguous, act);
       return;
     }
-    for (std::size_t p = 0; p < prompt.size(); p += 16) {
-      model.prefill(prompt.subspan(p, std::min<std::size_t>(16, prompt.size() - p)), paged, act);
-      if (layout == Layout::kPagedFragmented) {
+    for (std::size_t p = 0; p < prompt.size(); p += block_size) {
+      model.prefill(prompt.subspan(p, std::min(block_size, prompt.size() - p)), paged, act);
+      if (layout == Layout::kPagedInterleaved)
+        model.prefill(prompt.subspan(p, std::min(block_size, prompt.size() - p)), other, act);
+      if (layout == Layout::kPagedNewRequests || layout == Layout::kPagedFragmented) {
         fillers.emplace_back(pool);
         model.decode(1, fillers.back(), act);
       }
@@ -183,7 +210,8 @@ struct DecodeSetup {
   ContiguousStore<float> contiguous;
   BlockPool<float> pool;
   PagedStore<float> paged;
-  std::vector<PagedStore<float>> fillers;
+  PagedStore<float> other;                 // kPagedInterleaved
+  std::vector<PagedStore<float>> fillers;  // kPagedNewRequests, kPagedFragmented
 };
 
 void BM_Decode(benchmark::State& state) {
@@ -196,7 +224,7 @@ void BM_Decode(benchmark::State& state) {
   Activations<float> prefill_act(cfg, {.max_chunk = 128}), act(cfg, {.max_chunk = 1});
   DecodeSetup setup(layout, prompt, prefill_act);
   {  // check against the contiguous store
-    ContiguousStore<float> ref(cfg);
+    ContiguousStore<float> ref(cfg, kMaxDecodeContext);
     model.prefill(prompt, ref, prefill_act);
     const auto want = model.decode(tokens[context], ref, act);
     const std::vector<float> expect(want.begin(), want.end());
@@ -220,11 +248,75 @@ void BM_Decode(benchmark::State& state) {
       state.iterations() * 2 * context * static_cast<std::size_t>(cfg.n_layers * cfg.kv_dim()) *
       sizeof(float)));
 }
-// Args: layout (0 contiguous = the baseline, 1 paged one run, 2 paged fragmented), context.
+// Args: layout (0 contiguous = the baseline, 1 paged one run, 2 paged interleaved with another
+// growing sequence, 3 paged among new one-block requests, 4 paged fragmented into single
+// blocks), context.
 BENCHMARK(BM_Decode)
     ->ArgNames({"layout", "context"})
-    ->ArgsProduct({{0, 1, 2}, {500, 1000}})
+    ->ArgsProduct({{0, 1, 2, 3, 4}, {500, 1000, 2000}})
     ->ComputeStatistics("min", min_of)
+    ->Unit(benchmark::kMicrosecond);
+
+/// The five layouts of BM_Decode in one run, a step of each in turn, so that other work on a
+/// shared machine slows them alike: counters hold the median step of each layout (µs) and the
+/// paged ones' ratio to the contiguous store. The benchmark's own time is the five steps.
+void BM_DecodeInterleaved(benchmark::State& state) {
+  const auto context = static_cast<std::size_t>(state.range(0));
+  const auto block_size = static_cast<std::size_t>(state.range(1));
+  const ModelConfig cfg = bench_config();
+  const Model<float>& model = bench_model();
+  const std::vector<std::int32_t> tokens = bench_tokens(context + 1, 6);
+  const std::span<const std::int32_t> prompt = std::span<const std::int32_t>(tokens).first(context);
+  Activations<float> prefill_act(cfg, {.max_chunk = 128}), act(cfg, {.max_chunk = 1});
+  constexpr std::array<Layout, 5> kLayouts = {Layout::kContiguous, Layout::kPagedOneRun,
+                                              Layout::kPagedInterleaved, Layout::kPagedNewRequests,
+                                              Layout::kPagedFragmented};
+  std::vector<std::unique_ptr<DecodeSetup>> setups;
+  for (const Layout layout : kLayouts)
+    setups.push_back(std::make_unique<DecodeSetup>(layout, prompt, prefill_act, block_size));
+  std::array<std::vector<double>, kLayouts.size()> step_us;  // [layout][iteration]
+  for (auto _ : state) {
+    for (std::size_t i = 0; i < kLayouts.size(); ++i)
+      setups[i]->with_store(kLayouts[i], [&](auto& store) {
+        const auto t0 = std::chrono::steady_clock::now();
+        const auto logits = model.decode(tokens[context], store, act);
+        benchmark::DoNotOptimize(logits.data());
+        step_us[i].push_back(
+            std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0)
+                .count());
+        store.truncate(context);
+      });
+  }
+  std::array<double, kLayouts.size()> median{};
+  for (std::size_t i = 0; i < kLayouts.size(); ++i) {
+    auto& v = step_us[i];
+    std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2), v.end());
+    median[i] = v[v.size() / 2];
+  }
+  state.counters["contiguous_us"] = median[0];
+  state.counters["one_run_us"] = median[1];
+  // How many runs (KvBlocks of one layer and kv head) attention reads in each paged layout.
+  const auto runs_of = [&](DecodeSetup& setup) {
+    std::size_t runs = 0;
+    setup.paged.for_each_block(0, 0, context, {}, [&](const KvBlock<float>&) { ++runs; });
+    return static_cast<double>(runs);
+  };
+  state.counters["interleaved_runs"] = runs_of(*setups[2]);
+  state.counters["new_requests_runs"] = runs_of(*setups[3]);
+  state.counters["fragmented_runs"] = runs_of(*setups[4]);
+  state.counters["interleaved_us"] = median[2];
+  state.counters["new_requests_us"] = median[3];
+  state.counters["fragmented_us"] = median[4];
+  state.counters["one_run/contiguous"] = median[1] / median[0];
+  state.counters["interleaved/contiguous"] = median[2] / median[0];
+  state.counters["new_requests/contiguous"] = median[3] / median[0];
+  state.counters["fragmented/contiguous"] = median[4] / median[0];
+  state.SetItemsProcessed(static_cast<std::int64_t>(state.iterations() * kLayouts.size()));
+}
+// Args: context, block size.
+BENCHMARK(BM_DecodeInterleaved)
+    ->ArgNames({"context", "block"})
+    ->ArgsProduct({{500, 1000, 2000}, {16, 32, 64}})
     ->Unit(benchmark::kMicrosecond);
 
 // ---------------------------------------------------------------------------------------------

@@ -460,7 +460,7 @@ class CachePoolTest : public ::testing::Test {
         model_(kvdecode::random_weights<float>(cfg_, 11)),
         fingerprint_(kvdecode::model_fingerprint(model_)),
         act_(cfg_, {.max_chunk = kChunk}),
-        pool_(cfg_, 40, 4),
+        pool_(cfg_, 40, 4, BlockPoolOptions{.keep_runs = false}),
         prompt_(random_tokens(30, cfg_.vocab_size, 5)) {
     file_ = fs::temp_directory_path() /
             ("kvdecode_cache_pool_test_" + std::to_string(::getpid()) + ".kvc");
@@ -506,8 +506,10 @@ TEST_F(CachePoolTest, ForkedSequencesComeBackSharingTheirBlocks) {
     ASSERT_EQ(seqs_[3].block_table()[i], seqs_[0].block_table()[i]);
   const auto saved = pointers(seqs_);
   kvdecode::save_pool(fingerprint_, pool_, saved, file_);
-  // Into another pool (more blocks, a sequence of its own that must stay as it is).
-  BlockPool<float> pool2(cfg_, 64, 4);
+  // Into another pool (more blocks, a sequence of its own that must stay as it is). Both pools
+  // hand out blocks in the same order (no keep_runs), so the decodes below break their runs at
+  // the same positions, which the kernel set's attention products need for equal bits.
+  BlockPool<float> pool2(cfg_, 64, 4, BlockPoolOptions{.keep_runs = false});
   PagedStore<float> bystander(pool2);
   model_.prefill(random_tokens(6, cfg_.vocab_size, 8), bystander, act_);
   const Snapshot bystander_rows = rows(snapshot(bystander));  // the pool's counts change

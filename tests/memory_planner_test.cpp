@@ -168,6 +168,31 @@ TEST(MemoryPlannerTest, Q4FixedBytesAreTheRingAndTheWorkRows) {
   }
 }
 
+// A paged sequence pays for whole blocks: its padding is the rows of its last block past its end,
+// 2 × n_layers × kv_dim × sizeof(T) bytes each; a contiguous store sized to the context has none.
+TEST(MemoryPlannerTest, PaddingIsTheLastBlocksUnusedRows) {
+  const ModelConfig cfg = shape(256, 4, 8, 4, 1024);  // kv_dim 128
+  const std::uint64_t row = 2 * 4 * 128 * sizeof(float);
+  const MemoryPlanner<PagedStore<float>> b16(cfg, {.block_size = 16});
+  const MemoryPlanner<PagedStore<float>> b64(cfg, {.block_size = 64});
+  EXPECT_EQ(b16.padding_bytes(1000), (1008 - 1000) * row);
+  EXPECT_EQ(b16.padding_bytes(1008), 0u);
+  EXPECT_EQ(b16.padding_bytes(1000, 3), 3 * (1008 - 1000) * row);
+  EXPECT_EQ(b64.padding_bytes(1000), (1024 - 1000) * row);
+  EXPECT_EQ(b64.padding_bytes(1), 63 * row);
+  EXPECT_EQ(b64.padding_bytes(1000) + 1000 * row, b64.kv_bytes(1000));
+  EXPECT_EQ(MemoryPlanner<ContiguousStore<float>>(cfg).padding_bytes(1000), 0u);
+}
+
+// The streaming block size: the smallest power of two from 16 up whose rows of one (layer, kv
+// head) fill 4096 bytes.
+TEST(MemoryPlannerTest, StreamingBlockSizeFillsAPagePerLayerAndHead) {
+  EXPECT_EQ(PagedStore<float>::streaming_block_size(shape(256, 4, 8, 4, 64)), 32u);   // hs 32
+  EXPECT_EQ(PagedStore<double>::streaming_block_size(shape(256, 4, 8, 4, 64)), 16u);  // 32 × 8
+  EXPECT_EQ(PagedStore<float>::streaming_block_size(shape(512, 2, 8, 8, 64)), 16u);   // hs 64
+  EXPECT_EQ(PagedStore<float>::streaming_block_size(shape(64, 2, 8, 8, 64)), 128u);   // hs 8
+}
+
 TEST(MemoryPlannerTest, MaxContextIsTheLargestThatFitsForEveryStoreKind) {
   constexpr std::uint64_t kUnbounded = std::numeric_limits<std::uint64_t>::max();
   for (const ModelConfig& cfg : configs()) {

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cassert>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -45,6 +46,7 @@ struct AttentionScratch {
         packed_keys(detail::attention_may_use_kernels<T>()
                         ? n_threads_ * static_cast<std::size_t>(cfg.head_size()) * kTile
                         : 0),
+        gathered(n_threads_ * 2 * kTile * static_cast<std::size_t>(cfg.head_size())),
         coded(n_threads_ * coded_size(static_cast<std::size_t>(cfg.head_size()))) {}
 
   /// Elements of one thread's coded-path scratch: the query folded with a group's ranges
@@ -67,6 +69,8 @@ struct AttentionScratch {
   T* thread_packed_keys(std::size_t t) {
     return packed_keys.data() + t * (packed_keys.size() / n_threads_);
   }
+  /// Thread t's gathered key tile [kTile][head_size], its value tile following it.
+  T* thread_gathered(std::size_t t) { return gathered.data() + t * (gathered.size() / n_threads_); }
   /// Thread t's coded-path scratch [coded_size(head_size)].
   T* thread_coded(std::size_t t) { return coded.data() + t * (coded.size() / n_threads_); }
   std::size_t n_threads() const { return n_threads_; }
@@ -84,6 +88,7 @@ struct AttentionScratch {
   AlignedBuffer<T> row_sum;      // [n_threads][kv_mul][max_queries] running Σ exp(score - max)
   AlignedBuffer<T> block;        // [n_threads][store.block_scratch_size()] for stores that decode
   AlignedBuffer<T> packed_keys;  // [n_threads][head_size][kTile] or empty (Eigen's products)
+  AlignedBuffer<T> gathered;     // [n_threads][2][kTile][head_size] a tile of several blocks' K, V
   AlignedBuffer<T> coded;        // [n_threads][coded_size(head_size)] (attention on codes)
 };
 
@@ -91,31 +96,7 @@ struct AttentionScratch {
 /// thread: it is done before a second thread would be awake.
 inline constexpr std::size_t kMinParallelAttention = std::size_t{1} << 16;
 
-/// A block of fewer than kMinProductRows keys for at most kMaxKeyByKeyQueries queries (decode of
-/// a fragmented paged sequence) takes scores and p·v key by key, a dot product and an axpy per
-/// key, which cost nothing per block; a GEMV's setup would cost more than 16 rows of it. Longer
-/// blocks and more queries take one matrix product per block (Eigen GEMV/GEMM), as before.
-inline constexpr std::size_t kMaxKeyByKeyQueries = 4;
-inline constexpr std::size_t kMinProductRows = 64;
-
 namespace detail {
-/// Asks for count elements of keys and values ahead of use. Short blocks scattered over a pool
-/// defeat the hardware prefetcher, which restarts at every block; the whole tile is gathered
-/// before it is computed, so its rows are requested while earlier ones are in flight.
-template <class T>
-inline void prefetch_rows(const T* keys, const T* values, std::size_t count) {
-#if defined(__GNUC__)
-  const auto* k = reinterpret_cast<const char*>(keys);
-  const auto* v = reinterpret_cast<const char*>(values);
-  for (std::size_t o = 0; o < count * sizeof(T); o += 64) {
-    __builtin_prefetch(k + o, 0, 3);
-    __builtin_prefetch(v + o, 0, 3);
-  }
-#else
-  (void)keys, (void)values, (void)count;
-#endif
-}
-
 /// One query's step of the online softmax over a tile: row [cols] holds its scores (-inf where
 /// masked) and becomes exp(score - new max); the running max m and sum l are updated and the
 /// output row o [hs] rescaled to the new max. Returns false, the row zeroed, when nothing in
@@ -149,11 +130,6 @@ inline bool online_softmax_row(T* row_data, std::size_t cols, T& m, T& l, T* o, 
   return true;
 }
 
-/// o [count] += a · v [count], one multiply-add per element in a fixed order.
-template <class T>
-inline void axpy(T* __restrict o, T a, const T* __restrict v, std::size_t count) {
-  for (std::size_t i = 0; i < count; ++i) o[i] += a * v[i];
-}
 }  // namespace detail
 
 /// Up to this many queries (a decode step, a short speculative verification) attend to a
@@ -307,12 +283,14 @@ void attend_kv_head_coded(const ModelConfig& cfg, const S& store, std::size_t la
 /// softmax of FlashAttention: the running max is subtracted before exp, so large scores never
 /// overflow.
 ///
-/// A tile gathers consecutive KvBlocks (a paged sequence gives one per run of adjacent blocks):
-/// q·kᵀ of each block lands in the tile's columns, max/exp/rescale run once per tile, then p·v
-/// per block. Tiles start at multiples of kTile keys from the first key whatever the blocks, so
-/// a fragmented store takes the same softmax steps as a contiguous one. A store that decodes
-/// into scratch (block_scratch_size() > 0) hands a block valid only during its callback, so
-/// its tiles end at every block.
+/// A tile gathers consecutive KvBlocks (a paged sequence gives one per run of adjacent blocks).
+/// Tiles start at multiples of kTile keys from the first key whatever the blocks, so a
+/// fragmented store takes the same softmax steps as a contiguous one. With Eigen's products a
+/// tile of several blocks is copied into one [kTile][head_size] key tile and value tile, then
+/// computed as the contiguous store's tile is (the same bits); the kernel set's products pack
+/// the keys anyway and take p·v per block. A store that decodes into scratch
+/// (block_scratch_size() > 0) hands a block valid only during its callback, so its tiles end at
+/// every block.
 template <class T, KvStore S>
 void attend_kv_head(const ModelConfig& cfg, const S& store, std::size_t layer, std::size_t g,
                     std::size_t q_first, std::size_t n, const T* q, T* out,
@@ -364,16 +342,37 @@ void attend_kv_head(const ModelConfig& cfg, const S& store, std::size_t layer, s
 
   const auto flush = [&] {
     if (cols == 0) return;
-    // Short blocks gathered for a few queries skip the setup of a GEMV per block; a tile of one
-    // block (every tile of a contiguous store) keeps the matrix products.
-    const auto key_by_key = [&](const TileRun& run) {
-      return !own_products && n_runs > 1 && n <= kMaxKeyByKeyQueries && run.rows < kMinProductRows;
-    };
     if constexpr (std::is_same_v<T, float>)
       if (own_products)
         for (std::size_t k = 0; k < n_runs; ++k)
           detail::pack_keys(ks, kt, kTile, runs[k].col, runs[k].keys, runs[k].stride, runs[k].rows,
                             hs);
+    // Eigen's products take a tile of several blocks as a copy of its rows, [cols][hs] like a
+    // contiguous store's tile: one GEMV per tile instead of one per 16-row block, and the same
+    // arithmetic as the contiguous store, so a fragmented table gives the same bits.
+    TileRun packed{};
+    const TileRun* products = runs.data();  // [n_products]
+    std::size_t n_products = n_runs;
+    if (!own_products && n_runs > 1) {
+      T* const gk = scratch.thread_gathered(t);  // [kTile][hs]
+      T* const gv = gk + kTile * hs;             // [kTile][hs]
+      for (std::size_t k = 0; k < n_runs; ++k) {
+        const TileRun& run = runs[k];
+        assert(run.first == runs[0].first + run.col);  // a tile's rows are consecutive in cache
+        if (run.stride == hs) {
+          std::copy_n(run.keys, run.rows * hs, gk + run.col * hs);
+          std::copy_n(run.values, run.rows * hs, gv + run.col * hs);
+        } else {
+          for (std::size_t c = 0; c < run.rows; ++c) {
+            std::copy_n(run.keys + c * run.stride, hs, gk + (run.col + c) * hs);
+            std::copy_n(run.values + c * run.stride, hs, gv + (run.col + c) * hs);
+          }
+        }
+      }
+      packed = TileRun{gk, gv, hs, runs[0].first, 0, cols};
+      products = &packed;
+      n_products = 1;
+    }
     const auto ci = static_cast<Eigen::Index>(cols);
     const TileRun& last = runs[n_runs - 1];
     // Every query sees every key of the tile unless a key lies past the first query or the
@@ -389,24 +388,15 @@ void attend_kv_head(const ModelConfig& cfg, const S& store, std::size_t layer, s
         if (own_products)
           detail::attention_scores(ks, tile_scores, cols, q + h * hs, dim, kt, kTile, n, cols, hs,
                                    scale);
-      for (std::size_t k = 0; k < n_runs && !own_products; ++k) {
-        const TileRun& run = runs[k];
-        if (key_by_key(run)) {
-          for (std::size_t c = 0; c < run.rows; ++c) {
-            const detail::ConstVectorMap<T> key(run.keys + c * run.stride, hsi);
-            for (std::size_t r = 0; r < n; ++r)
-              s(static_cast<Eigen::Index>(r), static_cast<Eigen::Index>(run.col + c)) =
-                  qh.row(static_cast<Eigen::Index>(r)).dot(key.transpose()) * scale;
-          }
-        } else {
-          const auto ri = static_cast<Eigen::Index>(run.rows);
-          const auto bs = Stride(static_cast<Eigen::Index>(run.stride));
-          // Scaled after the product: Eigen evaluates a product inside a larger expression
-          // ((q·Kᵀ)·scale) into a heap temporary.
-          auto cols_of = s.middleCols(static_cast<Eigen::Index>(run.col), ri);
-          cols_of.noalias() = qh * detail::ConstStridedMap<T>(run.keys, ri, hsi, bs).transpose();
-          cols_of *= scale;
-        }
+      for (std::size_t k = 0; k < n_products && !own_products; ++k) {
+        const TileRun& run = products[k];
+        const auto ri = static_cast<Eigen::Index>(run.rows);
+        const auto bs = Stride(static_cast<Eigen::Index>(run.stride));
+        // Scaled after the product: Eigen evaluates a product inside a larger expression
+        // ((q·Kᵀ)·scale) into a heap temporary.
+        auto cols_of = s.middleCols(static_cast<Eigen::Index>(run.col), ri);
+        cols_of.noalias() = qh * detail::ConstStridedMap<T>(run.keys, ri, hsi, bs).transpose();
+        cols_of *= scale;
       }
       T* m = m_all + j * n;
       T* l = l_all + j * n;
@@ -426,26 +416,19 @@ void attend_kv_head(const ModelConfig& cfg, const S& store, std::size_t layer, s
         }
         detail::online_softmax_row(row.data(), cols, m[r], l[r], out + r * dim + h * hs, hs, ks);
       }
-      for (std::size_t k = 0; k < n_runs; ++k) {
-        const TileRun& run = runs[k];
-        if constexpr (std::is_same_v<T, float>)
-          if (own_products) {
-            detail::attention_pv(ks, out + h * hs, dim, tile_scores + run.col, cols, run.values,
-                                 run.stride, n, run.rows, hs);
-            continue;
-          }
-        if (key_by_key(run)) {
-          for (std::size_t c = 0; c < run.rows; ++c)
-            for (std::size_t r = 0; r < n; ++r)
-              detail::axpy(out + r * dim + h * hs,
-                           s(static_cast<Eigen::Index>(r), static_cast<Eigen::Index>(run.col + c)),
-                           run.values + c * run.stride, hs);
-        } else {
-          const auto ri = static_cast<Eigen::Index>(run.rows);
-          const auto bs = Stride(static_cast<Eigen::Index>(run.stride));
-          oh.noalias() += s.middleCols(static_cast<Eigen::Index>(run.col), ri) *
-                          detail::ConstStridedMap<T>(run.values, ri, hsi, bs);
+      if constexpr (std::is_same_v<T, float>)
+        if (own_products) {
+          for (std::size_t k = 0; k < n_runs; ++k)
+            detail::attention_pv(ks, out + h * hs, dim, tile_scores + runs[k].col, cols,
+                                 runs[k].values, runs[k].stride, n, runs[k].rows, hs);
+          continue;
         }
+      for (std::size_t k = 0; k < n_products; ++k) {
+        const TileRun& run = products[k];
+        const auto ri = static_cast<Eigen::Index>(run.rows);
+        const auto bs = Stride(static_cast<Eigen::Index>(run.stride));
+        oh.noalias() += s.middleCols(static_cast<Eigen::Index>(run.col), ri) *
+                        detail::ConstStridedMap<T>(run.values, ri, hsi, bs);
       }
     }
     n_runs = 0;
@@ -463,8 +446,6 @@ void attend_kv_head(const ModelConfig& cfg, const S& store, std::size_t layer, s
       const std::size_t take = std::min(kTile - cols, b.n - r0);
       runs[n_runs++] = TileRun{
           b.keys + r0 * b.stride, b.values + r0 * b.stride, b.stride, b.first + r0, cols, take};
-      if (b.n < kMinProductRows)
-        detail::prefetch_rows(b.keys + r0 * b.stride, b.values + r0 * b.stride, take * b.stride);
       cols += take;
       r0 += take;
       if (cols == kTile) flush();

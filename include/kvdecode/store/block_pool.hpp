@@ -27,6 +27,10 @@ struct BlockPoolOptions {
   /// Bits of the prefix hash kept (1..64). Fewer bits only make collisions common, which tests
   /// use to show that a collision never matches a different prefix.
   unsigned hash_bits = 64;
+  /// Keep each sequence's blocks adjacent where the free blocks allow (see BlockPool::acquire):
+  /// attention then streams long runs instead of single blocks. Off: the most recently freed
+  /// block first, whoever asks.
+  bool keep_runs = true;
 };
 
 /// Prefix-cache counters, cumulative since construction. A request's "cacheable" blocks are
@@ -46,10 +50,11 @@ struct PrefixCacheStats {
 /// Within a block each (layer, kv head) is one dense [block_size][head_size] run, which is a
 /// KvBlock with stride head_size. Why (layer, head)-major rather than block-major: blocks b and
 /// b+1 of one (layer, kv head) are then adjacent, so a sequence whose table holds consecutive
-/// ids (a prefill takes its blocks in one go, lowest id first) hands attention one KvBlock per
-/// run instead of one per block — the contiguous store's layout, with its 256-row tiles,
-/// instead of a 16-row online-softmax step per block. The cost is that a copy-on-write copies
-/// n_layers × n_kv_heads runs of a block rather than one range, once per shared block written.
+/// ids (each block it takes is the one after its last where free: acquire) hands attention one
+/// KvBlock per run instead of one per block — the contiguous store's layout, with its 256-row
+/// tiles, instead of a 16-row online-softmax step per block. The cost is that a copy-on-write
+/// copies n_layers × n_kv_heads runs of a block rather than one range, once per shared block
+/// written.
 ///
 /// Every block is in exactly one state:
 ///   free    ref 0, not cached, on the free list;
@@ -110,7 +115,8 @@ class BlockPool {
         n_blocks_(n_blocks),
         block_size_(block_size),
         capacity_(options.capacity),
-        prefix_cache_(options.prefix_cache) {
+        prefix_cache_(options.prefix_cache),
+        keep_runs_(options.keep_runs) {
     cfg.validate();
     KVDECODE_CHECK(n_blocks >= 1, "BlockPool: n_blocks must be at least 1, got ", n_blocks);
     KVDECODE_CHECK(block_size >= 1, "BlockPool: block_size must be at least 1, got ", block_size);
@@ -142,9 +148,10 @@ class BlockPool {
     std::size_t buckets = 1;
     while (buckets < 2 * n_blocks_) buckets *= 2;
     buckets_.assign(buckets, kNone);
-    // Handed out lowest id first, which keeps the blocks of a fresh sequence in address order.
+    // Without keep_runs, handed out lowest id first: a fresh sequence's blocks in address order.
     free_.reserve(n_blocks_);
-    for (std::size_t b = n_blocks_; b-- > 0;) free_.push_back(b);
+    free_pos_.assign(n_blocks_, kNone);
+    for (std::size_t b = n_blocks_; b-- > 0;) push_free(b);
   }
   BlockPool(const BlockPool&) = delete;
   BlockPool& operator=(const BlockPool&) = delete;
@@ -206,6 +213,12 @@ class BlockPool {
                      " twice or out of range");
       on_free[b] = 1;
     }
+    for (std::size_t i = 0; i < free_.size(); ++i)
+      KVDECODE_CHECK(free_pos_[free_[i]] == i, "BlockPool: free block ", free_[i], " is entry ", i,
+                     " of the free list, its position says ", free_pos_[free_[i]]);
+    for (std::size_t b = 0; b < n_blocks_; ++b)
+      KVDECODE_CHECK(on_free[b] || free_pos_[b] == kNone, "BlockPool: block ", b,
+                     " is not free, yet has a position in the free list");
     std::size_t lru_count = 0;
     for (std::size_t b = lru_head_, prev = kNone; b != kNone; prev = b, b = lru_next_[b]) {
       KVDECODE_CHECK(b < n_blocks_ && !on_lru[b] && lru_prev_[b] == prev,
@@ -259,13 +272,26 @@ class BlockPool {
   // The block-level API the sequences use. A PagedStore is the usual caller; these keep the
   // states consistent but do not check the caller's arguments beyond debug builds.
 
-  /// Takes a block for new data: from the free list, else evicts the least recently used
-  /// cached block. The caller checks n_available() > 0 first. Returns it with ref 1.
-  std::size_t acquire() noexcept {
+  /// Takes a block for new data: a free one, else evicts the least recently used cached block.
+  /// The caller checks n_available() > 0 first. Returns it with ref 1.
+  ///
+  /// With keep_runs, `after` (the sequence's last block, or kNone) asks for block after + 1, so
+  /// a growing sequence stays one run. When that block is not free the sequence starts a new run
+  /// in the longest run of free blocks: at its start when the block before it is free of holders
+  /// (the pool's start, a cached block), else in its middle, leaving the first half to the
+  /// sequence that holds the block before it. Sequences decoded in turn then grow side by side
+  /// rather than interleaved block by block. The search is O(n_blocks), once per new run.
+  std::size_t acquire(std::size_t after = kNone) noexcept {
     std::size_t b;
     if (!free_.empty()) {
-      b = free_.back();
-      free_.pop_back();
+      if (!keep_runs_) {
+        b = free_.back();
+      } else if (after != kNone && after + 1 < n_blocks_ && free_pos_[after + 1] != kNone) {
+        b = after + 1;
+      } else {
+        b = start_of_run();
+      }
+      take_free(b);
     } else {
       b = lru_head_;
       if (tier_ != nullptr) tier_->spill(*this, b, tier_key(b));
@@ -290,7 +316,7 @@ class BlockPool {
     if (cached_[b]) {
       lru_push_back(b);
     } else {
-      free_.push_back(b);  // within the reserved n_blocks: cannot allocate
+      push_free(b);  // within the reserved n_blocks: cannot allocate
     }
   }
 
@@ -341,7 +367,7 @@ class BlockPool {
     unchain(b);
     if (ref_[b] == 0) {  // it was evictable: now it is plainly free
       lru_unlink(b);
-      free_.push_back(b);
+      push_free(b);
     }
   }
 
@@ -368,7 +394,8 @@ class BlockPool {
           retain(b);  // now, so that a block taken for a tier load cannot evict it
           ++in_memory;
         } else {
-          b = load_from_tier(parent, {h, parent.hash, tokens});
+          b = load_from_tier(parent, {h, parent.hash, tokens},
+                             matched > 0 ? blocks_out[matched - 1] : kNone);
           if (b == kNone) break;
         }
         blocks_out[matched] = b;
@@ -385,6 +412,39 @@ class BlockPool {
   }
 
  private:
+  void push_free(std::size_t b) {
+    free_pos_[b] = free_.size();
+    free_.push_back(b);  // within the reserved n_blocks: cannot allocate
+  }
+  /// Removes free block b from the free list (the last entry takes its place).
+  void take_free(std::size_t b) {
+    const std::size_t i = free_pos_[b];
+    free_[i] = free_.back();
+    free_pos_[free_[i]] = i;
+    free_.pop_back();
+    free_pos_[b] = kNone;
+  }
+  /// Where a new run goes (acquire): the longest run of free blocks, lowest first, at its start
+  /// if no sequence holds the block before it, else in its middle.
+  std::size_t start_of_run() const {
+    std::size_t best = kNone, best_len = 0;
+    for (std::size_t b = 0; b < n_blocks_;) {
+      if (free_pos_[b] == kNone) {
+        ++b;
+        continue;
+      }
+      std::size_t e = b + 1;
+      while (e < n_blocks_ && free_pos_[e] != kNone) ++e;
+      if (e - b > best_len) {
+        best = b;
+        best_len = e - b;
+      }
+      b = e;
+    }
+    if (best > 0 && ref_[best - 1] > 0) best += best_len / 2;
+    return best;
+  }
+
   std::size_t offset(std::size_t b, std::size_t layer, std::size_t kv_head) const {
     return ((layer * n_kv_heads_ + kv_head) * n_blocks_ + b) * block_size_ * head_size_;
   }
@@ -393,11 +453,11 @@ class BlockPool {
     return {hash_[b], parent_hash_[b], {block_tokens_.data() + b * block_size_, block_size_}};
   }
 
-  /// A block the tier holds for `key`, after `parent`: taken, loaded, cached and held (ref 1);
-  /// or kNone, with nothing taken.
-  std::size_t load_from_tier(PrefixKey parent, const TierKey& key) noexcept {
+  /// A block the tier holds for `key`, after `parent`: taken (after block `after`, as acquire),
+  /// loaded, cached and held (ref 1); or kNone, with nothing taken.
+  std::size_t load_from_tier(PrefixKey parent, const TierKey& key, std::size_t after) noexcept {
     if (tier_ == nullptr || n_available() == 0 || !tier_->contains(key)) return kNone;
-    const std::size_t b = acquire();
+    const std::size_t b = acquire(after);
     if (!tier_->load(*this, b, key)) {
       release(b);  // not cached: back to the free list
       return kNone;
@@ -475,6 +535,7 @@ class BlockPool {
   std::size_t capacity_ = 0;
   std::size_t block_elems_ = 0;  // n_layers × n_kv_heads × block_size × head_size
   bool prefix_cache_ = true;
+  bool keep_runs_ = true;
   std::uint64_t hash_mask_ = 0;
   std::uint64_t next_entry_ = 1;  // entry ids are never reused; 0 is the empty prefix
   std::uint64_t sequences_ = 0;   // sequences created, to name them in messages
@@ -490,7 +551,8 @@ class BlockPool {
   std::vector<std::int32_t> block_tokens_;   // [n_blocks][block_size] token ids, when cached
   std::vector<std::size_t> buckets_;     // [2^k ≥ 2 n_blocks] first cached block of each chain
   std::vector<std::size_t> chain_next_;  // [n_blocks] next cached block in the same chain
-  std::vector<std::size_t> free_;        // [≤ n_blocks] stack of free block ids
+  std::vector<std::size_t> free_;        // [≤ n_blocks] free block ids, most recently freed last
+  std::vector<std::size_t> free_pos_;    // [n_blocks] index of a free block in free_, else kNone
   std::vector<std::size_t> lru_prev_;    // [n_blocks] evictable list, least recent at the head
   std::vector<std::size_t> lru_next_;    // [n_blocks]
   std::size_t lru_head_ = kNone;

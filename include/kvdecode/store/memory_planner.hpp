@@ -51,6 +51,21 @@ class MemoryPlanner {
     return 2 * bytes(kSpan) - bytes(2 * kSpan);
   }
 
+  /// Bytes `batch` stores of `context` positions each reserve beyond context ×
+  /// bytes_per_position() and fixed_bytes(): for a paged sequence the rows of its last block
+  /// past its end (up to block_size − 1 positions each, what a larger block costs); 0 for a
+  /// store sized to the position.
+  constexpr std::uint64_t padding_bytes(std::uint64_t context, std::uint64_t batch = 1) const {
+    constexpr std::uint64_t kSpan = std::uint64_t{1} << 16;
+    const std::uint64_t per_span = bytes(2 * kSpan) - bytes(kSpan);  // kSpan positions' bytes
+    const std::uint64_t used =
+        detail::sat_add({detail::sat_mul({per_span / kSpan, context}),
+                         detail::sat_mul({per_span % kSpan, context}) / kSpan});
+    const std::uint64_t all = bytes(context), fixed = fixed_bytes();
+    const std::uint64_t one = all > fixed ? all - fixed : 0;
+    return detail::sat_mul({one > used ? one - used : 0, batch});
+  }
+
   /// Bytes of `batch` stores of `context` positions each: batch × memory_bytes() of the store
   /// built for that capacity. Throws Error when the figure exceeds 64 bits.
   constexpr std::uint64_t kv_bytes(std::uint64_t context, std::uint64_t batch = 1) const {

@@ -51,6 +51,18 @@ class PagedStore {
     std::size_t capacity = 0;     ///< positions of the sequence; 0 means cfg.seq_len
   };
 
+  /// The smallest block size (a power of two, at least 16) whose rows of one (layer, kv head),
+  /// block_size × head_size × sizeof(T) bytes, fill a 4 KiB page: a sequence whose blocks are
+  /// scattered then hands attention runs of at least a page, which the hardware prefetcher
+  /// streams; each sequence leaves up to block_size − 1 positions of its last block unused
+  /// (MemoryPlanner::padding_bytes).
+  static constexpr std::size_t streaming_block_size(const ModelConfig& cfg) {
+    const auto row = static_cast<std::size_t>(cfg.head_size()) * sizeof(T);
+    std::size_t bs = 16;
+    while (bs * row < 4096) bs *= 2;
+    return bs;
+  }
+
   /// The blocks of one sequence of `capacity` positions held alone (shared blocks only make a
   /// sequence's share smaller): ceil(capacity / block_size) × block_size positions of K and V.
   static constexpr std::uint64_t memory_bytes_for(const ModelConfig& cfg, const Options& o) {
@@ -189,12 +201,16 @@ class PagedStore {
                    pool_->n_available(), " available (", pool_->n_free(), " free, ",
                    pool_->n_evictable(), " cached evictable) of ", pool_->n_blocks());
     // Nothing below throws: the vectors were reserved for the capacity.
+    // Each block asks for the one after the previous block, so the table stays one run where
+    // the pool allows (BlockPool::acquire).
     if (cow) {
-      const std::size_t copy = pool_->acquire();
+      const std::size_t copy =
+          pool_->acquire(table_.size() >= 2 ? table_[table_.size() - 2] : BlockPool<T>::kNone);
       pool_->copy_block(copy, table_.back());
       cow_from_ = std::exchange(table_.back(), copy);
     }
-    for (std::size_t i = 0; i < fresh; ++i) table_.push_back(pool_->acquire());
+    for (std::size_t i = 0; i < fresh; ++i)
+      table_.push_back(pool_->acquire(table_.empty() ? BlockPool<T>::kNone : table_.back()));
     new_blocks_ = fresh;
     tokens_.insert(tokens_.end(), tokens.begin(), tokens.end());
     pending_ = n;
@@ -478,8 +494,9 @@ class PagedStore {
     for (PagedStore* t : targets) t->release();
     const std::size_t bs = pool.block_size(), hs = pool.head_size();
     std::vector<std::uint64_t>& ids = s.first;  // reused: saved index → pool block id
-    for (std::size_t k = 0; k < ids.size(); ++k) {
-      const std::size_t b = pool.acquire();
+    for (std::size_t k = 0, prev = BlockPool<T>::kNone; k < ids.size(); ++k) {
+      const std::size_t b = pool.acquire(prev);  // the saved blocks in one run where they fit
+      prev = b;
       for (std::uint64_t r = 1; r < s.holders[k]; ++r) pool.retain(b);
       const std::size_t run = static_cast<std::size_t>(s.rows[k]) * hs;
       const T* kd = s.keys.data() + ids[k];
