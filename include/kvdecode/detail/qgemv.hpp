@@ -139,6 +139,16 @@ inline std::size_t token_chunk(std::size_t in, std::size_t tile) {
 #if KVDECODE_X86_KERNELS
 KVDECODE_INTRINSICS_BEGIN
 
+/// How far ahead of the block being multiplied the kernels prefetch a group's bytes: the
+/// hardware prefetchers alone leave a one-thread decode step waiting on its weight loads.
+inline constexpr std::size_t kGroupPrefetchBytes = 4096;
+
+/// Asks for the cache lines kGroupPrefetchBytes past block blk (bytes bytes long).
+KVDECODE_TARGET_AVX2 inline void prefetch_ahead(const std::uint8_t* blk, std::size_t bytes) {
+  for (std::size_t l = 0; l < bytes; l += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(blk) + kGroupPrefetchBytes + l, _MM_HINT_T0);
+}
+
 /// y [g × 8 + l] = lane l of v for the lanes whose row is in [r0, r1).
 KVDECODE_TARGET_AVX2 inline void store_group(float* y, __m256 v, std::size_t g, std::size_t r0,
                                              std::size_t r1) {
@@ -178,6 +188,7 @@ KVDECODE_TARGET_AVX2 inline __m256 group_token_avx2(const std::uint8_t* gp, cons
     const std::uint8_t* const blk = gp + b * L::kBytes;
     const std::uint8_t* const q = blk + L::kScaleBytes;
     const std::int8_t* const xb = xc + b * kWeightBlock;
+    prefetch_ahead(blk, L::kBytes);
     const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
     __m256i s;
     if constexpr (std::is_same_v<B, Q8_0>) {
@@ -259,6 +270,7 @@ KVDECODE_TARGET_AVX512BF16 inline void group_tile_vnni(__m256 (&acc)[T], const s
   for (std::size_t b = 0; b < nb; ++b) {
     const std::uint8_t* const blk = gp + b * L::kBytes;
     const std::uint8_t* const q = blk + L::kScaleBytes;
+    prefetch_ahead(blk, L::kBytes);
     const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
     __m256i wv[8];  // unit u pairs with input unit u
     if constexpr (std::is_same_v<B, Q8_0>) {
