@@ -731,8 +731,9 @@ int generate_with(const Run& run, const kvdecode::Model<float, W>& model, S& cac
                        : kIsBlockFormat<W>     ? block_format_name<W>()
                                                : "f32";
   std::fprintf(out, "weights            %s, %zu bytes (%s)\n", format, model.weights().bytes(),
-               run.src.stored == format ? "as stored"
-                                        : ("converted on load from " + run.src.stored).c_str());
+               run.src.stored != format ? ("converted on load from " + run.src.stored).c_str()
+               : kIsBlockFormat<W>      ? "as stored, rows repacked in groups of 8 on load"
+                                        : "as stored");
   std::fprintf(out, "load               %.2f ms (weights and tokenizer)\n", run.src.load_ms);
   const Vocabulary& vocab = run.src.vocabulary;
   const SpecialTokens& sp = vocab.specials();

@@ -8,10 +8,10 @@
 // dx_b = max|x in block b| / 127). Against the exact Σ_j ŵ_j·x_j (ŵ the dequantized weights):
 //   |y − exact| ≤ Σ_b (dx_b / 2)·Σ_j |ŵ_j|   (activation rounding)
 //               + γ_{nb+2}·Σ_b |dw_b·dx_b·Σ_j qw_j·qx_j|   (f32: one product, nb sums; Higham §3.1)
-// with γ_k = k·2^-24 / (1 − k·2^-24); the test adds 1 % to γ and nothing else.
-// The tiled prefill kernel (detail/qgemm.hpp) sums each of a block's 8 lane pieces through a
-// scale product, an FMA into one of 16 lanes (⌈nb/2⌉ blocks per lane) and a 16-lane reduction
-// (4 levels): k = max(nb + 2, ⌈nb/2⌉ + 6) covers both orders.
+// with γ_k = k·2^-24 / (1 − k·2^-24); the test adds 1 % to γ and nothing else. Against the
+// double sum of the same quantized products (the second term alone) only the f32 rounding is
+// left. Every set, batch size and row range forms each output by the same operations (one scale
+// product and one fma per block, in block order), so the sets agree bit for bit.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -29,8 +29,8 @@
 #include <vector>
 
 #include "kvdecode/detail/linear.hpp"
-#include "kvdecode/detail/qgemm.hpp"
 #include "kvdecode/detail/qgemv.hpp"
+#include "kvdecode/detail/row_groups.hpp"
 #include "kvdecode/io/checkpoint.hpp"
 #include "kvdecode/kvdecode.hpp"
 #include "kvdecode/text/tokenizer.hpp"
@@ -194,164 +194,202 @@ class QuantKernelTest : public ::testing::TestWithParam<KernelSet> {
   KernelSet ks() const { return GetParam(); }
 };
 
-/// Runs every row range and token count over one random matrix and checks each output against
-/// the bound at the top of this file; returns the outputs of the whole call for cross-checks.
+/// w [rows][nb] as stored → the kernels' row-group layout (a copy).
 template <class B>
-void check_kernel(KernelSet ks, std::size_t rows, std::size_t cols, std::size_t n,
-                  std::uint64_t seed, bool tiled = false) {
+std::vector<B> repacked(const std::vector<B>& w, std::size_t rows, std::size_t nb) {
+  std::vector<B> r = w;
+  std::vector<B> scratch;
+  detail::repack_row_groups(r.data(), rows, nb, scratch);
+  return r;
+}
+
+/// The outputs of every (row range, token count) split of one random matrix, checked against
+/// the bounds at the top of this file: ranges [0, rows) at once and split off the group grid
+/// (rows / 2, as two threads might), every token alone (bit for bit the batched output).
+/// Returns the outputs of the whole call for cross-set checks.
+template <class B>
+std::vector<float> check_kernel(KernelSet ks, std::size_t rows, std::size_t cols, std::size_t n,
+                                std::uint64_t seed) {
   const std::size_t nb = cols / kWeightBlock;
   const auto wf = random_floats(rows * cols, seed, 0.2);
   std::vector<B> w(rows * nb);
   quantize_row(wf.data(), w.data(), rows * cols);
   std::vector<float> wd(rows * cols);
   dequantize_row(w.data(), wd.data(), rows * cols);
+  std::vector<std::int8_t> qw(rows * cols);  // the signed codes, from the formulas
+  for (std::size_t i = 0; i < rows * cols; ++i) {
+    const B& blk = w[i / kWeightBlock];
+    const std::size_t j = i % kWeightBlock;
+    if constexpr (std::is_same_v<B, Q8_0>) {
+      qw[i] = blk.qs[j];
+    } else {
+      qw[i] = static_cast<std::int8_t>((j < 16 ? blk.qs[j] & 15 : blk.qs[j - 16] >> 4) - 8);
+    }
+  }
+  const std::vector<B> wr = repacked(w, rows, nb);
   // Activations with a wide dynamic range between blocks, and one all-zero block.
   auto x = random_floats(n * cols, seed + 7, 3.0);
   for (std::size_t i = 0; i < x.size(); ++i) x[i] *= static_cast<float>(1 + (i / kWeightBlock) % 5);
   std::fill_n(x.begin(), kWeightBlock, 0.0f);
   std::vector<std::int8_t> xc(n * cols);
   std::vector<float> xs(n * nb);
-  std::vector<std::int32_t> xo(n * cols / 4);
-  detail::quantize_activations(x.data(), n, cols, xc.data(), xs.data(), xo.data());
-  for (std::size_t g = 0; g < xo.size(); ++g)  // the offsets' definition
-    ASSERT_EQ(xo[g], -8 * (xc[4 * g] + xc[4 * g + 1] + xc[4 * g + 2] + xc[4 * g + 3])) << g;
+  std::vector<std::int32_t> xsum(n * nb);
+  detail::quantize_activations(x.data(), n, cols, xc.data(), xs.data(), xsum.data());
+  for (std::size_t b = 0; b < xsum.size(); ++b) {  // the sums' definition
+    std::int32_t sum = 0;
+    for (std::size_t j = 0; j < kWeightBlock; ++j) sum += xc[b * kWeightBlock + j];
+    EXPECT_EQ(xsum[b], sum) << b;
+  }
 
   std::vector<float> y(n * rows, -1.0f);
-  if (tiled) {
-    // Two row ranges, as two threads split them.
-    const std::size_t mid = rows / 2;
-    detail::qgemm_tiled(ks, y.data(), w.data(), xc.data(), xs.data(), xo.data(), n, cols, rows, 0,
-                        mid);
-    detail::qgemm_tiled(ks, y.data(), w.data(), xc.data(), xs.data(), xo.data(), n, cols, rows, mid,
-                        rows);
-  } else {
-    detail::qgemm_rows(ks, y.data(), w.data(), xc.data(), xs.data(), xo.data(), n, cols, rows, 0,
-                       rows);
-  }
+  detail::qgemm_rows(ks, y.data(), wr.data(), xc.data(), xs.data(), xsum.data(), n, cols, rows, 0,
+                     rows);
+  std::vector<float> ys(n * rows, -1.0f);
+  const std::size_t mid = rows / 2;
+  detail::qgemm_rows(ks, ys.data(), wr.data(), xc.data(), xs.data(), xsum.data(), n, cols, rows, 0,
+                     mid);
+  detail::qgemm_rows(ks, ys.data(), wr.data(), xc.data(), xs.data(), xsum.data(), n, cols, rows,
+                     mid, rows);
+  EXPECT_EQ(std::memcmp(ys.data(), y.data(), y.size() * sizeof(float)), 0) << "split at " << mid;
   std::vector<float> y1(rows);
+  const double k = static_cast<double>(nb + 2) * 0x1p-24;
+  const double gamma = 1.01 * k / (1 - k);
   for (std::size_t t = 0; t < n; ++t) {
-    // The same token alone, in two row ranges: bit for bit the batched output.
-    const std::size_t mid = rows / 2;
-    const std::int32_t* const xot = xo.data() + t * cols / 4;
-    detail::qgemm_rows(ks, y1.data(), w.data(), xc.data() + t * cols, xs.data() + t * nb, xot, 1,
-                       cols, rows, 0, mid);
-    detail::qgemm_rows(ks, y1.data(), w.data(), xc.data() + t * cols, xs.data() + t * nb, xot, 1,
-                       cols, rows, mid, rows);
+    detail::qgemm_rows(ks, y1.data(), wr.data(), xc.data() + t * cols, xs.data() + t * nb,
+                       xsum.data() + t * nb, 1, cols, rows, 0, rows);
     for (std::size_t r = 0; r < rows; ++r) {
-      if (!tiled) {
-        ASSERT_EQ(std::memcmp(&y1[r], &y[t * rows + r], sizeof(float)), 0) << "token " << t;
-      }
+      EXPECT_EQ(std::memcmp(&y1[r], &y[t * rows + r], sizeof(float)), 0)
+          << "token " << t << " row " << r;
       double exact = 0;
       double act = 0;
+      double quantized = 0;  // Σ_b dw·dx·Σ qw·qx in double
       double mag = 0;
       for (std::size_t b = 0; b < nb; ++b) {
-        double block = 0;
+        double ints = 0;
         for (std::size_t j = 0; j < kWeightBlock; ++j) {
           const std::size_t c = b * kWeightBlock + j;
           exact += static_cast<double>(wd[r * cols + c]) * x[t * cols + c];
           act += std::abs(static_cast<double>(wd[r * cols + c])) * xs[t * nb + b] / 2;
-          block += static_cast<double>(wd[r * cols + c]) * xc[t * cols + c] * xs[t * nb + b];
+          ints += static_cast<double>(qw[r * cols + c]) * xc[t * cols + c];
         }
+        const double block = ints * f16_to_float(w[r * nb + b].d) * xs[t * nb + b];
+        quantized += block;
         mag += std::abs(block);
       }
-      const double k =
-          static_cast<double>(tiled ? std::max(nb + 2, (nb + 1) / 2 + 6) : nb + 2) * 0x1p-24;
-      const double bound = act + 1.01 * k / (1 - k) * mag;
-      EXPECT_LE(std::abs(y[t * rows + r] - exact), bound)
-          << kernel_set_name(ks) << " " << block_format_name<B>() << " rows " << rows << " cols "
-          << cols << " token " << t << " row " << r;
+      const auto where = [&] {
+        return std::string(kernel_set_name(ks)) + " " + block_format_name<B>() + " rows " +
+               std::to_string(rows) + " cols " + std::to_string(cols) + " token " +
+               std::to_string(t) + " row " + std::to_string(r);
+      };
+      EXPECT_LE(std::abs(y[t * rows + r] - quantized), gamma * mag) << where();
+      EXPECT_LE(std::abs(y[t * rows + r] - exact), act + gamma * mag) << where();
     }
   }
+  return y;
 }
 
-TEST_P(QuantKernelTest, Q8MatchesDequantizedWithinBound) {
-  for (const std::size_t rows : {1, 3, 17})
+// Rows below, at and past whole groups of 8 (tails of 1..7 rows), token counts covering the
+// VNNI tiles of 4, 2 and 1, and widths from one block up.
+TEST_P(QuantKernelTest, Q8MatchesQuantizedProductsWithinBound) {
+  for (const std::size_t rows : {1, 3, 8, 17, 24, 39})
     for (const std::size_t cols : {32, 64, 96, 288, 800})
-      for (const std::size_t n : {1, 2, 5})
+      for (const std::size_t n : {1, 2, 7})
         check_kernel<Q8_0>(ks(), rows, cols, n, rows * cols + n);
 }
 
-TEST_P(QuantKernelTest, Q4MatchesDequantizedWithinBound) {
-  for (const std::size_t rows : {1, 3, 17})
+TEST_P(QuantKernelTest, Q4MatchesQuantizedProductsWithinBound) {
+  for (const std::size_t rows : {1, 3, 8, 17, 24, 39})
     for (const std::size_t cols : {32, 64, 96, 288, 800})
-      for (const std::size_t n : {1, 2, 5})
+      for (const std::size_t n : {1, 2, 7})
         check_kernel<Q4_0>(ks(), rows, cols, n, rows * cols + n);
 }
 
-// The tiled prefill kernel: every tail of rows (not a multiple of 4), tokens (not a multiple of 4)
-// and blocks (an odd count), and token chunks (2048 columns: 8 tokens per chunk).
-TEST_P(QuantKernelTest, TiledMatchesDequantizedWithinBound) {
-  for (const std::size_t rows : {1, 4, 7, 17})
-    for (const std::size_t cols : {32, 64, 96, 288, 2048})
-      for (const std::size_t n : {1, 4, 6, 21}) {
-        check_kernel<Q8_0>(ks(), rows, cols, n, rows * cols + n, true);
-        check_kernel<Q4_0>(ks(), rows, cols, n, rows * cols + n + 1, true);
-      }
+// Prefill sizes: more tokens than one pass over the groups takes (2048 columns: 32 tokens per
+// pass), so tokens run in several passes and tiles.
+TEST_P(QuantKernelTest, ManyTokensMatchWithinBound) {
+  check_kernel<Q8_0>(ks(), 21, 2048, 37, 11);
+  check_kernel<Q4_0>(ks(), 21, 2048, 37, 12);
 }
 
 // Extreme codes: q8 weights of −128 (a stored file may hold them) and 127 against inputs of
-// ±127 make the largest maddubs pair sums; the integer sums must still be exact.
+// ±127 make the largest maddubs pair sums; the integer sums must still be exact, in the groups
+// (rows 0..7) and in the row after them.
 TEST_P(QuantKernelTest, ExtremeCodesSumExactly) {
-  const std::size_t cols = 64;
-  std::vector<Q8_0> w(2);
-  for (std::size_t b = 0; b < 2; ++b) {
-    w[b].d = float_to_f16(1.0f);
-    for (int j = 0; j < 32; ++j) w[b].qs[j] = static_cast<std::int8_t>(j % 2 == 0 ? -128 : 127);
+  const std::size_t cols = 64, rows = 9;
+  std::vector<Q8_0> w(rows * 2);
+  for (Q8_0& b : w) {
+    b.d = float_to_f16(1.0f);
+    for (int j = 0; j < 32; ++j) b.qs[j] = static_cast<std::int8_t>(j % 2 == 0 ? -128 : 127);
   }
   std::vector<std::int8_t> xc(cols);
   for (std::size_t j = 0; j < cols; ++j) xc[j] = static_cast<std::int8_t>(j % 2 == 0 ? -127 : 127);
   const float xs[2] = {1.0f, 1.0f};
-  float y = 0;
-  detail::qgemm_rows(ks(), &y, w.data(), xc.data(), xs, nullptr, 1, cols, 1, 0, 1);
-  EXPECT_EQ(y, 64.0f / 2 * (128.0f * 127 + 127.0f * 127));
+  std::int32_t sums[2] = {0, 0};
+  std::vector<float> y(rows);
+  detail::qgemm_rows(ks(), y.data(), repacked(w, rows, 2).data(), xc.data(), xs, sums, 1, cols,
+                     rows, 0, rows);
+  for (std::size_t r = 0; r < rows; ++r) EXPECT_EQ(y[r], 64.0f / 2 * (128.0f * 127 + 127.0f * 127));
   // q4_0 codes 0 and 15 (−8 and +7) against ±127, all products of one sign: the largest q4_0
-  // block sums, with the −8 of every nibble carried by the input's offsets in the avx512bf16 set.
-  std::vector<Q4_0> w4(2);
-  for (std::size_t b = 0; b < 2; ++b) {
-    w4[b].d = float_to_f16(1.0f);
-    for (int j = 0; j < 16; ++j) w4[b].qs[j] = static_cast<std::uint8_t>(j % 2 == 0 ? 0xF0 : 0x0F);
+  // block sums, 16-bit partial sums included (AVX2), the −8 carried by the input's block sums.
+  std::vector<Q4_0> w4(rows * 2);
+  for (Q4_0& b : w4) {
+    b.d = float_to_f16(1.0f);
+    for (int j = 0; j < 16; ++j) b.qs[j] = static_cast<std::uint8_t>(j % 2 == 0 ? 0xF0 : 0x0F);
   }
   for (std::size_t e = 0; e < cols; ++e) {  // element e % 32 < 16: low nibble of byte e % 16
     const std::size_t j = e % 32;
     const bool minus8 = j < 16 ? j % 2 == 0 : (j - 16) % 2 == 1;
     xc[e] = static_cast<std::int8_t>(minus8 ? -127 : 127);
   }
-  std::vector<std::int32_t> xo(cols / 4);
-  for (std::size_t g = 0; g < xo.size(); ++g)
-    xo[g] = -8 * (xc[4 * g] + xc[4 * g + 1] + xc[4 * g + 2] + xc[4 * g + 3]);
-  detail::qgemm_rows(ks(), &y, w4.data(), xc.data(), xs, xo.data(), 1, cols, 1, 0, 1);
-  EXPECT_EQ(y, 2.0f * 16 * (8 * 127 + 7 * 127));
+  for (std::size_t b = 0; b < 2; ++b) {
+    sums[b] = 0;
+    for (std::size_t j = 0; j < 32; ++j) sums[b] += xc[b * 32 + j];
+  }
+  detail::qgemm_rows(ks(), y.data(), repacked(w4, rows, 2).data(), xc.data(), xs, sums, 1, cols,
+                     rows, 0, rows);
+  for (std::size_t r = 0; r < rows; ++r) EXPECT_EQ(y[r], 2.0f * 16 * (8 * 127 + 7 * 127));
 }
 
-// The avx512bf16 kernels (vpdpbusd; q4_0 from unsigned nibbles and the input's offsets) give the
-// AVX2 kernels' outputs bit for bit: the same integer lane sums, scaled and added alike.
-TEST(QuantKernelSetsTest, VnniEqualsAvx2BitForBit) {
-  if (!cpu_supports(KernelSet::kAvx512Bf16) || !cpu_supports(KernelSet::kAvx2))
-    GTEST_SKIP() << "needs AVX2 and AVX512_BF16";
-  const auto run = [](auto block, KernelSet ks, std::size_t rows, std::size_t cols, std::size_t n) {
-    using B = decltype(block);
-    const std::size_t nb = cols / kWeightBlock;
-    const auto wf = random_floats(rows * cols, rows + cols, 0.2);
-    std::vector<B> w(rows * nb);
-    quantize_row(wf.data(), w.data(), rows * cols);
-    const auto x = random_floats(n * cols, n + cols, 4.0);
-    std::vector<std::int8_t> xc(n * cols);
-    std::vector<float> xs(n * nb);
-    std::vector<std::int32_t> xo(n * cols / 4);
-    detail::quantize_activations(x.data(), n, cols, xc.data(), xs.data(), xo.data());
-    std::vector<float> y(n * rows);
-    detail::qgemm_rows(ks, y.data(), w.data(), xc.data(), xs.data(), xo.data(), n, cols, rows, 0,
-                       rows);
-    return y;
-  };
-  for (const std::size_t cols : {32, 96, 160, 800, 2048}) {
-    for (const std::size_t n : {1, 3}) {
-      const auto a4 = run(Q4_0{}, KernelSet::kAvx2, 19, cols, n);
-      const auto v4 = run(Q4_0{}, KernelSet::kAvx512Bf16, 19, cols, n);
-      EXPECT_EQ(std::memcmp(a4.data(), v4.data(), a4.size() * sizeof(float)), 0) << "q4_0 " << cols;
-      const auto a8 = run(Q8_0{}, KernelSet::kAvx2, 19, cols, n);
-      const auto v8 = run(Q8_0{}, KernelSet::kAvx512Bf16, 19, cols, n);
-      EXPECT_EQ(std::memcmp(a8.data(), v8.data(), a8.size() * sizeof(float)), 0) << "q8_0 " << cols;
+// Every set gives the portable kernel's outputs bit for bit: the same integers, scaled and
+// added by the same f32 operations.
+TEST_P(QuantKernelTest, EqualsPortableBitForBit) {
+  for (const std::size_t cols : {32, 160, 2048}) {
+    for (const std::size_t n : {1, 6}) {
+      const auto p4 = check_kernel<Q4_0>(KernelSet::kPortable, 19, cols, n, cols + n);
+      const auto k4 = check_kernel<Q4_0>(ks(), 19, cols, n, cols + n);
+      EXPECT_EQ(std::memcmp(p4.data(), k4.data(), p4.size() * sizeof(float)), 0) << "q4_0 " << cols;
+      const auto p8 = check_kernel<Q8_0>(KernelSet::kPortable, 19, cols, n, cols + n);
+      const auto k8 = check_kernel<Q8_0>(ks(), 19, cols, n, cols + n);
+      EXPECT_EQ(std::memcmp(p8.data(), k8.data(), p8.size() * sizeof(float)), 0) << "q8_0 " << cols;
+    }
+  }
+}
+
+// The repacked layout holds every block: read back, each is the stored one byte for byte, and
+// the rows past the last whole group are untouched.
+TEST(RowGroupsTest, RepackedBlocksReadBackAsStored) {
+  for (const std::size_t rows : {1, 8, 13, 32}) {
+    const std::size_t nb = 3;
+    const auto wf = random_floats(rows * nb * kWeightBlock, rows, 1.0);
+    std::vector<Q8_0> w8(rows * nb);
+    std::vector<Q4_0> w4(rows * nb);
+    quantize_row(wf.data(), w8.data(), wf.size());
+    quantize_row(wf.data(), w4.data(), wf.size());
+    const auto r8 = repacked(w8, rows, nb);
+    const auto r4 = repacked(w4, rows, nb);
+    for (std::size_t r = 0; r < rows; ++r) {
+      for (std::size_t b = 0; b < nb; ++b) {
+        const Q8_0 a8 = detail::repacked_block(r8.data(), rows, nb, r, b);
+        const Q4_0 a4 = detail::repacked_block(r4.data(), rows, nb, r, b);
+        EXPECT_EQ(std::memcmp(&a8, &w8[r * nb + b], sizeof a8), 0) << rows << " " << r << " " << b;
+        EXPECT_EQ(std::memcmp(&a4, &w4[r * nb + b], sizeof a4), 0) << rows << " " << r << " " << b;
+      }
+    }
+    const std::size_t kept = rows / 8 * 8 * nb;
+    EXPECT_EQ(std::memcmp(r8.data() + kept, w8.data() + kept, (w8.size() - kept) * sizeof(Q8_0)),
+              0);
+    if (rows >= 8) {
+      EXPECT_NE(std::memcmp(r8.data(), w8.data(), 8 * nb * sizeof(Q8_0)), 0);
     }
   }
 }
@@ -364,13 +402,14 @@ TEST_P(QuantKernelTest, LinearGroupThreadsAgree) {
   const auto wf = random_floats(out * in, 5, 0.1);
   std::vector<Q4_0> w(out * in / kWeightBlock);
   quantize_row(wf.data(), w.data(), out * in);
+  w = repacked(w, out, in / kWeightBlock);
   for (const std::size_t n : {1, 3}) {
     const auto x = random_floats(n * in, 9 + n);
     std::vector<std::int8_t> codes(n * in);
     std::vector<float> scales(n * in / kWeightBlock);
-    std::vector<std::int32_t> offsets(n * in / 4);
-    const detail::LinearScratch<float> scratch{
-        nullptr, 0, nullptr, codes.data(), scales.data(), offsets.data()};
+    std::vector<std::int32_t> sums(n * in / kWeightBlock);
+    const detail::LinearScratch<float> scratch{nullptr,       0,          nullptr, codes.data(),
+                                               scales.data(), sums.data()};
     std::vector<float> y0(n * out);
     detail::linear_group<float, Q4_0>({{y0.data(), w.data(), out}}, x.data(), n, in, nullptr,
                                       scratch, ks());

@@ -16,7 +16,6 @@
 #include "kvdecode/detail/gemm_lanes.hpp"
 #include "kvdecode/detail/gemm_packed.hpp"
 #include "kvdecode/detail/gemv.hpp"
-#include "kvdecode/detail/qgemm.hpp"
 #include "kvdecode/detail/qgemv.hpp"
 #include "kvdecode/thread_pool.hpp"
 
@@ -33,12 +32,12 @@ struct Projection {
 /// The scratch a multi-token projection needs (none for one token).
 template <class T>
 struct LinearScratch {
-  T* panels = nullptr;                // [threads][kPanelRows][in] widened bf16 weights (W ≠ T)
-  std::size_t panel_stride = 0;       // elements between two threads' panels
-  T* x_rounded = nullptr;             // [n][in] x rounded to bf16 (W ≠ T)
-  std::int8_t* x_codes = nullptr;     // [n][in] x quantized (block-format W)
-  float* x_scales = nullptr;          // [n][in / 32] their scales (block-format W)
-  std::int32_t* x_offsets = nullptr;  // [n][in / 4] −8 × each 4 codes' sum (block-format W)
+  T* panels = nullptr;             // [threads][kPanelRows][in] widened bf16 weights (W ≠ T)
+  std::size_t panel_stride = 0;    // elements between two threads' panels
+  T* x_rounded = nullptr;          // [n][in] x rounded to bf16 (W ≠ T)
+  std::int8_t* x_codes = nullptr;  // [n][in] x quantized (block-format W)
+  float* x_scales = nullptr;       // [n][in / 32] their scales (block-format W)
+  std::int32_t* x_sums = nullptr;  // [n][in / 32] each code block's sum (block-format W)
 };
 
 /// How a projection of 2..kMaxFewTokens tokens sums each output: kGemv as that token's GEMV
@@ -77,39 +76,34 @@ void run_row_chunks(ThreadPool& threads, std::initializer_list<Projection<T, W>>
   });
 }
 
-/// Block-format weights (W = Q8_0, Q4_0): x is quantized once into the scratch for every
-/// projection and thread (qgemv.hpp); then run_row_chunks for one token, or for several tokens a
-/// static split of rows, every thread running all n tokens over its rows: up to kMaxFewTokens
-/// (a batched decode step) with the GEMV's sums (qgemm_rows), more in register tiles
-/// (qgemm_tiled).
+/// Block-format weights (W = Q8_0, Q4_0, in row_groups.hpp's layout): x is quantized once into
+/// the scratch for every projection and thread (qgemv.hpp); then run_row_chunks for one token,
+/// or for several tokens a static split of rows (slices of 16, whole groups), every thread
+/// running all n tokens over its rows with the same kernel (qgemm_rows: tiles of tokens over
+/// each group), so every token's outputs are its GEMV's.
 template <class T, class W>
 void linear_group_blocks(std::initializer_list<Projection<T, W>> ps, const T* x, std::size_t n,
                          std::size_t in, ThreadPool* pool, const LinearScratch<T>& scratch,
                          KernelSet ks) {
   static_assert(std::is_same_v<T, float>, "block-format weights compute in f32");
-  quantize_activations(x, n, in, scratch.x_codes, scratch.x_scales,
-                       std::is_same_v<W, Q4_0> ? scratch.x_offsets : nullptr);
+  quantize_activations(x, n, in, scratch.x_codes, scratch.x_scales, scratch.x_sums);
   const std::int8_t* const xc = scratch.x_codes;
   const float* const xs = scratch.x_scales;
-  const std::int32_t* const xo = scratch.x_offsets;
+  const std::int32_t* const xsum = scratch.x_sums;
   std::size_t weights = 0;
   for (const Projection<T, W>& p : ps) weights += p.out * in;
   ThreadPool* const threads = weights >= kMinParallelWeights ? pool : nullptr;
   if (n == 1 && threads != nullptr && threads->size() > 1) {
     run_row_chunks(*threads, ps, in / kWeightBlock * sizeof(W),
                    [&](const Projection<T, W>& p, std::size_t r0, std::size_t r1) {
-                     qgemm_rows(ks, p.y, p.w, xc, xs, xo, 1, in, p.out, r0, r1);
+                     qgemm_rows(ks, p.y, p.w, xc, xs, xsum, 1, in, p.out, r0, r1);
                    });
     return;
   }
   parallel_run(threads, [&](std::size_t t, std::size_t nt) {
     for (const Projection<T, W>& p : ps) {
       const auto [r0, r1] = ThreadPool::share(p.out, nt, t, 16);
-      if (r1 <= r0) continue;
-      if (n > kMaxFewTokens)
-        qgemm_tiled(ks, p.y, p.w, xc, xs, xo, n, in, p.out, r0, r1);
-      else
-        qgemm_rows(ks, p.y, p.w, xc, xs, xo, n, in, p.out, r0, r1);
+      if (r1 > r0) qgemm_rows(ks, p.y, p.w, xc, xs, xsum, n, in, p.out, r0, r1);
     }
   });
 }

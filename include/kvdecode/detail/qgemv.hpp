@@ -1,18 +1,24 @@
-// Projections with block-quantized weights (Q8_0, Q4_0: weight_blocks.hpp) in the ggml manner:
-// the input x is quantized once per call to int8 codes with an f32 scale per block of 32, each
-// block's product is an exact integer dot product, and the blocks are summed in f32 weighted by
-// (weight scale × input scale). One kernel serves a GEMV (one token) and a few-token GEMM: weight
-// rows outer, tokens inner, so a row is read from memory once and from L1 for every token, and a
-// token's output equals its GEMV bit for bit whatever the batch.
+// Projections with block-quantized weights (Q8_0, Q4_0: weight_blocks.hpp) in the ggml manner,
+// over the row-group layout of row_groups.hpp: the input x is quantized once per call to int8
+// codes with an f32 scale per block of 32; each (row, block) product is an exact integer dot
+// product, and a row's blocks are summed in f32 in block order, one fma each with the scale
+// (weight scale × input scale). Eight rows run side by side in the lanes of one register, so a
+// 32-byte load feeds all eight and no row needs a horizontal sum. One kernel serves a GEMV, a
+// few-token GEMM and prefill (tiles of tokens over a group held in L1): every set and every batch
+// size forms the same integers and the same f32 operations per output, so outputs agree bit for
+// bit across sets, thread splits and token counts.
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 
 #include "kvdecode/detail/cpu.hpp"
 #include "kvdecode/detail/gemv.hpp"  // KVDECODE_UNROLL
+#include "kvdecode/detail/row_groups.hpp"
 #include "kvdecode/weight_blocks.hpp"
 
 namespace kvdecode::detail {
@@ -21,18 +27,14 @@ namespace kvdecode::detail {
 // The input, quantized once per call.
 // ---------------------------------------------------------------------------------------------
 
-/// Codes per entry of quantize_activations' `offsets`: the four bytes vpdpbusd sums per lane.
-inline constexpr std::size_t kOffsetGroup = 4;
-
 /// x [n][in] → codes [n][in], scales [n][in / 32]: per block d = max|x| / 127 (f32, not
 /// ggml's binary16, which would add a rounding of its own), codes = nearest(x / d) in
 /// [−127, 127], so |x − code · d| ≤ d / 2. A block holding a non-finite value gets codes 0 and
 /// d = NaN, so its products are NaN as an f32 GEMV's would be. in must be a multiple of 32.
-/// offsets [n][in / 4] (may be null): −8 × the sum of each 4 consecutive codes, so a Q4_0 kernel
-/// can multiply the unsigned nibbles q and add this to get Σ (q − 8)·x without subtracting 8
-/// from every nibble of every row.
+/// sums [n][in / 32]: each block's 32 codes added, which the kernels multiply by the bias of
+/// the weights' unsigned form (−128 for Q8_0 stored as code + 128, −8 for Q4_0's nibbles).
 inline void quantize_activations(const float* x, std::size_t n, std::size_t in, std::int8_t* codes,
-                                 float* scales, std::int32_t* offsets = nullptr) {
+                                 float* scales, std::int32_t* sums) {
   for (std::size_t b = 0; b < n * (in / kWeightBlock); ++b) {
     const float* xb = x + b * kWeightBlock;
     float amax = 0;
@@ -44,24 +46,27 @@ inline void quantize_activations(const float* x, std::size_t n, std::size_t in, 
     const float d = finite ? amax / 127.0f : std::nanf("");
     const float id = finite && amax > 0 ? 127.0f / amax : 0.0f;
     scales[b] = d;
+    std::int32_t sum = 0;
     for (std::size_t j = 0; j < kWeightBlock; ++j) {
       const float q = std::nearbyint(xb[j] * id);
-      codes[b * kWeightBlock + j] = static_cast<std::int8_t>(std::clamp(q, -127.0f, 127.0f));
+      const auto c = static_cast<std::int8_t>(std::clamp(q, -127.0f, 127.0f));
+      codes[b * kWeightBlock + j] = c;
+      sum += c;
     }
-  }
-  if (offsets == nullptr) return;
-  for (std::size_t g = 0; g < n * in / kOffsetGroup; ++g) {
-    std::int32_t sum = 0;
-    for (std::size_t j = 0; j < kOffsetGroup; ++j) sum += codes[g * kOffsetGroup + j];
-    offsets[g] = -8 * sum;
+    sums[b] = sum;
   }
 }
+
+/// The bias of the weights' unsigned form in row_groups.hpp's layout: stored u = code − bias.
+template <class B>
+inline constexpr std::int32_t kCodeBias = std::is_same_v<B, Q8_0> ? -128 : -8;
 
 // ---------------------------------------------------------------------------------------------
 // Naive reference: double-precision sums of the dequantized weights (tests).
 // ---------------------------------------------------------------------------------------------
 
-/// y [rows] = dequantize(w [rows][cols / 32]) · x [cols] in double, x unquantized.
+/// y [rows] = dequantize(w [rows][cols / 32]) · x [cols] in double, x unquantized; w row-major
+/// as ggml stores it.
 template <class B>
 void qgemv_naive(float* y, const B* w, const float* x, std::size_t rows, std::size_t cols) {
   const std::size_t nb = cols / kWeightBlock;
@@ -78,7 +83,7 @@ void qgemv_naive(float* y, const B* w, const float* x, std::size_t rows, std::si
 }
 
 // ---------------------------------------------------------------------------------------------
-// Portable: integer sums per block in plain C++.
+// Portable: one output at a time, in plain C++ (and the rows after the last whole group).
 // ---------------------------------------------------------------------------------------------
 
 /// The block's 32 weights as signed codes (q8_0 as stored, q4_0 nibble − 8).
@@ -92,159 +97,253 @@ inline void block_codes(const Q4_0& b, std::int8_t* out) {
   }
 }
 
+/// Row r of repacked w [out][nb] · one token (codes xc [nb × 32], scales xs [nb]): the exact
+/// integer sum of each block, then acc = fma(sum, d_w · d_x, acc) in block order, the f32
+/// operations every vector kernel performs lane by lane.
 template <class B>
-float qdot_portable(const B* w, const std::int8_t* xc, const float* xs, std::size_t nb) {
+float qdot_row(const B* w, std::size_t out, std::size_t nb, std::size_t r, const std::int8_t* xc,
+               const float* xs) {
   float acc = 0;
   std::int8_t wc[kWeightBlock];
   for (std::size_t b = 0; b < nb; ++b) {
-    block_codes(w[b], wc);
+    const B blk = repacked_block(w, out, nb, r, b);
+    block_codes(blk, wc);
     std::int32_t s = 0;
     for (std::size_t j = 0; j < kWeightBlock; ++j)
       s += static_cast<std::int32_t>(wc[j]) * xc[b * kWeightBlock + j];
-    acc += static_cast<float>(s) * (f16_to_float(w[b].d) * xs[b]);
+    const float scale = f16_to_float(blk.d) * xs[b];
+    acc = std::fma(static_cast<float>(s), scale, acc);
   }
   return acc;
+}
+
+template <class B>
+void qgemm_rows_portable(float* y, const B* w, const std::int8_t* xc, const float* xs,
+                         std::size_t n, std::size_t in, std::size_t out, std::size_t r0,
+                         std::size_t r1) {
+  const std::size_t nb = in / kWeightBlock;
+  for (std::size_t r = r0; r < r1; ++r)
+    for (std::size_t t = 0; t < n; ++t)
+      y[t * out + r] = qdot_row(w, out, nb, r, xc + t * in, xs + t * nb);
+}
+
+/// Bytes of input codes one pass over a thread's groups takes: the tokens stay in L2 while each
+/// group (at most a few tens of KiB) is read once from memory and then from L1 for every token.
+inline constexpr std::size_t kTokenChunkBytes = 64 * 1024;
+
+/// Tokens per pass: a multiple of `tile`, at least one tile.
+inline std::size_t token_chunk(std::size_t in, std::size_t tile) {
+  return std::max(tile, kTokenChunkBytes / in / tile * tile);
 }
 
 #if KVDECODE_X86_KERNELS
 KVDECODE_INTRINSICS_BEGIN
 
-// ---------------------------------------------------------------------------------------------
-// AVX2: one block per 256-bit register. The products are formed as |w| · (x · sign(w)), so the
-// unsigned × signed instructions (maddubs, vpdpbusd) take a signed weight: |w| ≤ 128 and
-// |x| ≤ 127 keep maddubs's pair sums below 2^15, so they never saturate.
-// ---------------------------------------------------------------------------------------------
+/// How far ahead of the block being multiplied the kernels prefetch a group's bytes: the
+/// hardware prefetchers alone leave a one-thread decode step waiting on its weight loads.
+inline constexpr std::size_t kGroupPrefetchBytes = 4096;
 
-KVDECODE_TARGET_AVX2 inline __m256i block_codes_avx2(const Q8_0& b) {
-  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qs));
+/// Asks for the cache lines kGroupPrefetchBytes past block blk (bytes bytes long).
+KVDECODE_TARGET_AVX2 inline void prefetch_ahead(const std::uint8_t* blk, std::size_t bytes) {
+  for (std::size_t l = 0; l < bytes; l += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(blk) + kGroupPrefetchBytes + l, _MM_HINT_T0);
 }
 
-KVDECODE_TARGET_AVX2 inline __m256i block_codes_avx2(const Q4_0& b) {
-  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b.qs));
-  const __m128i low = _mm_set1_epi8(15);
-  const __m256i nibbles = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), low),  // 16..31
-                                           _mm_and_si128(q, low));                    // 0..15
-  return _mm256_sub_epi8(nibbles, _mm256_set1_epi8(8));
-}
-
-/// Σ_j w_j · x_j of one block as 8 int32 partial sums.
-KVDECODE_TARGET_AVX2 inline __m256i block_dot_avx2(__m256i w, const std::int8_t* xc) {
-  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc));
-  const __m256i p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
-  return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
-}
-
-KVDECODE_TARGET_AVX2 inline float reduce_add_q_avx2(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 h = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
-}
-
-/// acc + (d_w · d_x) · the block's integer dot product, as 8 lanes.
-template <class B>
-KVDECODE_TARGET_AVX2 inline __m256 qblock_avx2(const B& w, const std::int8_t* xc, float xs,
-                                               __m256 acc) {
-  const __m256 s = _mm256_cvtepi32_ps(block_dot_avx2(block_codes_avx2(w), xc));
-  return _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(w.d) * xs), s, acc);
-}
-
-/// One row · one token: four f32 accumulators over blocks b mod 4.
-template <class B>
-KVDECODE_TARGET_AVX2 inline float qdot_avx2(const B* w, const std::int8_t* xc, const float* xs,
-                                            std::size_t nb) {
-  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
-                   _mm256_setzero_ps()};
-  std::size_t b = 0;
-  for (; b + 4 <= nb; b += 4) {
-    KVDECODE_UNROLL
-    for (std::size_t i = 0; i < 4; ++i)
-      acc[i] = qblock_avx2(w[b + i], xc + (b + i) * kWeightBlock, xs[b + i], acc[i]);
+/// y [g × 8 + l] = lane l of v for the lanes whose row is in [r0, r1).
+KVDECODE_TARGET_AVX2 inline void store_group(float* y, __m256 v, std::size_t g, std::size_t r0,
+                                             std::size_t r1) {
+  const std::size_t first = g * kGroupRows;
+  if (first >= r0 && first + kGroupRows <= r1) {
+    _mm256_storeu_ps(y + first, v);
+    return;
   }
-  for (std::size_t i = 0; b < nb; ++b, ++i)
-    acc[i] = qblock_avx2(w[b], xc + b * kWeightBlock, xs[b], acc[i]);
-  return reduce_add_q_avx2(
-      _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+  alignas(32) float lanes[kGroupRows];
+  _mm256_store_ps(lanes, v);
+  for (std::size_t l = 0; l < kGroupRows; ++l)
+    if (first + l >= r0 && first + l < r1) y[first + l] = lanes[l];
+}
+
+/// The four input codes of unit u of a block, in every lane.
+KVDECODE_TARGET_AVX2 inline __m256i unit_input(const std::int8_t* xb, std::size_t u) {
+  std::int32_t v;
+  std::memcpy(&v, xb + u * kGroupUnit, sizeof v);
+  return _mm256_set1_epi32(v);
+}
+
+// ---------------------------------------------------------------------------------------------
+// AVX2: maddubs + madd. Q8_0's codes are made signed again and multiplied as |w| · (x · sign w)
+// (|w| ≤ 128, |x| ≤ 127: maddubs's pair sums stay below 2^15); Q4_0's nibbles (≤ 15) go in
+// unsigned, all eight units summed in 16 bits (8 × 2 × 15 × 127 < 2^15) before one madd.
+// ---------------------------------------------------------------------------------------------
+
+/// acc [8 rows] of group gp over every block, for one token.
+template <class B>
+KVDECODE_TARGET_AVX2 inline __m256 group_token_avx2(const std::uint8_t* gp, const std::int8_t* xc,
+                                                    const float* xs, const std::int32_t* xsum,
+                                                    std::size_t nb) {
+  using L = GroupLayout<B>;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc = _mm256_setzero_ps();
+  for (std::size_t b = 0; b < nb; ++b) {
+    const std::uint8_t* const blk = gp + b * L::kBytes;
+    const std::uint8_t* const q = blk + L::kScaleBytes;
+    const std::int8_t* const xb = xc + b * kWeightBlock;
+    prefetch_ahead(blk, L::kBytes);
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+    __m256i s;
+    if constexpr (std::is_same_v<B, Q8_0>) {
+      const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+      __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+      KVDECODE_UNROLL
+      for (std::size_t u = 0; u < L::kUnits; u += 2) {
+        const __m256i w0 = _mm256_xor_si256(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + u * 32)), flip);
+        const __m256i w1 = _mm256_xor_si256(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + (u + 1) * 32)), flip);
+        const __m256i p0 =
+            _mm256_maddubs_epi16(_mm256_sign_epi8(w0, w0), _mm256_sign_epi8(unit_input(xb, u), w0));
+        const __m256i p1 = _mm256_maddubs_epi16(_mm256_sign_epi8(w1, w1),
+                                                _mm256_sign_epi8(unit_input(xb, u + 1), w1));
+        s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(p0, ones));
+        s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(p1, ones));
+      }
+      s = _mm256_add_epi32(s0, s1);
+      static_cast<void>(xsum);
+    } else {
+      const __m256i low = _mm256_set1_epi8(15);
+      __m256i p = _mm256_setzero_si256();
+      KVDECODE_UNROLL
+      for (std::size_t u = 0; u < L::kUnits; ++u) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + u * 32));
+        p = _mm256_add_epi16(p, _mm256_maddubs_epi16(_mm256_and_si256(v, low), unit_input(xb, u)));
+        p = _mm256_add_epi16(p, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), low),
+                                                     unit_input(xb, u + L::kUnits)));
+      }
+      s = _mm256_add_epi32(_mm256_madd_epi16(p, ones), _mm256_set1_epi32(kCodeBias<B> * xsum[b]));
+    }
+    const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(xs[b]));
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc);
+  }
+  return acc;
 }
 
 template <class B>
 KVDECODE_TARGET_AVX2 inline void qgemm_rows_avx2(float* y, const B* w, const std::int8_t* xc,
-                                                 const float* xs, std::size_t n, std::size_t in,
-                                                 std::size_t out, std::size_t r0, std::size_t r1) {
+                                                 const float* xs, const std::int32_t* xsum,
+                                                 std::size_t n, std::size_t in, std::size_t out,
+                                                 std::size_t r0, std::size_t r1) {
   const std::size_t nb = in / kWeightBlock;
-  for (std::size_t r = r0; r < r1; ++r)
-    for (std::size_t t = 0; t < n; ++t)
-      y[t * out + r] = qdot_avx2(w + r * nb, xc + t * in, xs + t * nb, nb);
-}
-
-// ---------------------------------------------------------------------------------------------
-// AVX512_VNNI (the avx512bf16 set): vpdpbusd forms the block's four-product sums in one
-// instruction, exactly (no 16-bit intermediate); 256-bit, as a block is 32 bytes.
-// ---------------------------------------------------------------------------------------------
-
-KVDECODE_TARGET_AVX512BF16 inline __m256i block_dot_vnni(const Q8_0& w, const std::int8_t* xc,
-                                                         const std::int32_t*) {
-  const __m256i wc = block_codes_avx2(w);
-  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc));
-  // vpdpbusd: the first operand unsigned, the second signed.
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(wc, wc),
-                             _mm256_sign_epi8(x, wc));
-}
-
-/// Q4_0: the unsigned nibbles q straight into vpdpbusd, which adds them to the input's offsets
-/// (−8 × each lane's four codes): Σ q·x − 8·Σ x = Σ (q − 8)·x, lane by lane the integers the
-/// signed form gives.
-KVDECODE_TARGET_AVX512BF16 inline __m256i block_dot_vnni(const Q4_0& w, const std::int8_t* xc,
-                                                         const std::int32_t* offsets) {
-  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qs));
-  const __m128i low = _mm_set1_epi8(15);
-  const __m256i nibbles = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), low),  // 16..31
-                                           _mm_and_si128(q, low));                    // 0..15
-  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc));
-  const __m256i init = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(offsets));
-  return _mm256_dpbusd_epi32(init, nibbles, x);
-}
-
-/// acc + (d_w · d_x) · the block's integer dot product, as 8 lanes.
-template <class B>
-KVDECODE_TARGET_AVX512BF16 inline __m256 qblock_vnni(const B& w, const std::int8_t* xc,
-                                                     const std::int32_t* offsets, float xs,
-                                                     __m256 acc) {
-  const __m256 s = _mm256_cvtepi32_ps(block_dot_vnni(w, xc, offsets));
-  return _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(w.d) * xs), s, acc);
-}
-
-/// One row · one token, as qdot_avx2. xo: the token's offsets (Q4_0 only).
-template <class B>
-KVDECODE_TARGET_AVX512BF16 inline float qdot_vnni(const B* w, const std::int8_t* xc,
-                                                  const std::int32_t* xo, const float* xs,
-                                                  std::size_t nb) {
-  constexpr std::size_t kLanes = kWeightBlock / kOffsetGroup;
-  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
-                   _mm256_setzero_ps()};
-  std::size_t b = 0;
-  for (; b + 4 <= nb; b += 4) {
-    KVDECODE_UNROLL
-    for (std::size_t i = 0; i < 4; ++i)
-      acc[i] = qblock_vnni(w[b + i], xc + (b + i) * kWeightBlock, xo + (b + i) * kLanes, xs[b + i],
-                           acc[i]);
+  const std::size_t groups = whole_groups(out);
+  const std::size_t g1 = std::min(groups, (r1 + kGroupRows - 1) / kGroupRows);
+  const std::size_t chunk = token_chunk(in, 1);
+  for (std::size_t t0 = 0; t0 < n; t0 += chunk) {
+    const std::size_t t1 = std::min(n, t0 + chunk);
+    for (std::size_t g = r0 / kGroupRows; g < g1; ++g) {
+      const std::uint8_t* const gp = group_block(w, nb, g, 0);
+      for (std::size_t t = t0; t < t1; ++t)
+        store_group(y + t * out,
+                    group_token_avx2<B>(gp, xc + t * in, xs + t * nb, xsum + t * nb, nb), g, r0,
+                    r1);
+    }
   }
-  for (std::size_t i = 0; b < nb; ++b, ++i)
-    acc[i] = qblock_vnni(w[b], xc + b * kWeightBlock, xo + b * kLanes, xs[b], acc[i]);
-  return reduce_add_q_avx2(
-      _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+  for (std::size_t r = std::max(r0, groups * kGroupRows); r < r1; ++r)
+    for (std::size_t t = 0; t < n; ++t)
+      y[t * out + r] = qdot_row(w, out, nb, r, xc + t * in, xs + t * nb);
+}
+
+// ---------------------------------------------------------------------------------------------
+// AVX512_VNNI (the avx512bf16 set): vpdpbusd on 256-bit registers takes the stored unsigned
+// codes straight (Q8_0 code + 128, Q4_0 nibbles) against the signed input, each lane starting
+// at bias × the input's block sum, so it holds the signed block product exactly. A tile of T
+// tokens shares each load of the group's codes.
+// ---------------------------------------------------------------------------------------------
+
+/// acc [T][8 rows] of group gp over every block, for tokens t.. t + T − 1 (codes xc [T][in]).
+template <class B, std::size_t T>
+KVDECODE_TARGET_AVX512BF16 inline void group_tile_vnni(__m256 (&acc)[T], const std::uint8_t* gp,
+                                                       const std::int8_t* xc, const float* xs,
+                                                       const std::int32_t* xsum, std::size_t in,
+                                                       std::size_t nb) {
+  using L = GroupLayout<B>;
+  KVDECODE_UNROLL
+  for (std::size_t j = 0; j < T; ++j) acc[j] = _mm256_setzero_ps();
+  for (std::size_t b = 0; b < nb; ++b) {
+    const std::uint8_t* const blk = gp + b * L::kBytes;
+    const std::uint8_t* const q = blk + L::kScaleBytes;
+    prefetch_ahead(blk, L::kBytes);
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+    __m256i wv[8];  // unit u pairs with input unit u
+    if constexpr (std::is_same_v<B, Q8_0>) {
+      KVDECODE_UNROLL
+      for (std::size_t u = 0; u < 8; ++u)
+        wv[u] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + u * 32));
+    } else {
+      const __m256i low = _mm256_set1_epi8(15);
+      KVDECODE_UNROLL
+      for (std::size_t u = 0; u < 4; ++u) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + u * 32));
+        wv[u] = _mm256_and_si256(v, low);
+        wv[u + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+      }
+    }
+    KVDECODE_UNROLL
+    for (std::size_t j = 0; j < T; ++j) {
+      const std::int8_t* const xb = xc + j * in + b * kWeightBlock;
+      __m256i s0 = _mm256_set1_epi32(kCodeBias<B> * xsum[j * nb + b]);
+      __m256i s1 = _mm256_setzero_si256();
+      KVDECODE_UNROLL
+      for (std::size_t u = 0; u < 8; u += 2) {
+        s0 = _mm256_dpbusd_epi32(s0, wv[u], unit_input(xb, u));
+        s1 = _mm256_dpbusd_epi32(s1, wv[u + 1], unit_input(xb, u + 1));
+      }
+      const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(xs[j * nb + b]));
+      acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), scale, acc[j]);
+    }
+  }
+}
+
+/// Tokens a VNNI tile takes at once.
+inline constexpr std::size_t kTileTokens = 4;
+
+template <class B, std::size_t T>
+KVDECODE_TARGET_AVX512BF16 inline void group_tokens_vnni(float* y, const std::uint8_t* gp,
+                                                         const std::int8_t* xc, const float* xs,
+                                                         const std::int32_t* xsum, std::size_t in,
+                                                         std::size_t out, std::size_t t,
+                                                         std::size_t g, std::size_t r0,
+                                                         std::size_t r1) {
+  const std::size_t nb = in / kWeightBlock;
+  __m256 acc[T];
+  group_tile_vnni<B, T>(acc, gp, xc + t * in, xs + t * nb, xsum + t * nb, in, nb);
+  KVDECODE_UNROLL
+  for (std::size_t j = 0; j < T; ++j) store_group(y + (t + j) * out, acc[j], g, r0, r1);
 }
 
 template <class B>
 KVDECODE_TARGET_AVX512BF16 inline void qgemm_rows_vnni(float* y, const B* w, const std::int8_t* xc,
-                                                       const std::int32_t* xo, const float* xs,
+                                                       const float* xs, const std::int32_t* xsum,
                                                        std::size_t n, std::size_t in,
                                                        std::size_t out, std::size_t r0,
                                                        std::size_t r1) {
   const std::size_t nb = in / kWeightBlock;
-  for (std::size_t r = r0; r < r1; ++r)
+  const std::size_t groups = whole_groups(out);
+  const std::size_t g1 = std::min(groups, (r1 + kGroupRows - 1) / kGroupRows);
+  const std::size_t chunk = token_chunk(in, kTileTokens);
+  for (std::size_t t0 = 0; t0 < n; t0 += chunk) {
+    const std::size_t t1 = std::min(n, t0 + chunk);
+    for (std::size_t g = r0 / kGroupRows; g < g1; ++g) {
+      const std::uint8_t* const gp = group_block(w, nb, g, 0);
+      std::size_t t = t0;
+      for (; t + kTileTokens <= t1; t += kTileTokens)
+        group_tokens_vnni<B, kTileTokens>(y, gp, xc, xs, xsum, in, out, t, g, r0, r1);
+      for (; t + 2 <= t1; t += 2)
+        group_tokens_vnni<B, 2>(y, gp, xc, xs, xsum, in, out, t, g, r0, r1);
+      for (; t < t1; ++t) group_tokens_vnni<B, 1>(y, gp, xc, xs, xsum, in, out, t, g, r0, r1);
+    }
+  }
+  for (std::size_t r = std::max(r0, groups * kGroupRows); r < r1; ++r)
     for (std::size_t t = 0; t < n; ++t)
-      y[t * out + r] =
-          qdot_vnni(w + r * nb, xc + t * in, xo + t * (in / kOffsetGroup), xs + t * nb, nb);
+      y[t * out + r] = qdot_row(w, out, nb, r, xc + t * in, xs + t * nb);
 }
 
 KVDECODE_INTRINSICS_END
@@ -254,34 +353,31 @@ KVDECODE_INTRINSICS_END
 // Dispatch: one switch per call, outside every loop. `ks` must be a set the CPU supports.
 // ---------------------------------------------------------------------------------------------
 
-/// y [n][out] rows [r0, r1) = w [out][in / 32] · x for each of n tokens, x given quantized by
-/// quantize_activations (codes [n][in], scales [n][in / 32], offsets [n][in / 4]; the offsets
-/// are read by the avx512bf16 Q4_0 kernel only and may be null otherwise). A (row, token) output
-/// depends on neither the range nor n, so threads and batches get the single-token result bit
-/// for bit. The avx512 set runs the AVX2 kernel (a block fills a 256-bit register; the loop is
-/// bound by memory, not by vector width); avx512bf16 replaces maddubs + madd by vpdpbusd, whose
-/// lanes sum the same four products, so it gives the AVX2 kernel's outputs bit for bit.
+/// y [n][out] rows [r0, r1) = w [out][in / 32] · x for each of n tokens; w in row_groups.hpp's
+/// layout (repack_row_groups), x given quantized by quantize_activations (codes [n][in], scales
+/// [n][in / 32], block sums [n][in / 32]). Any row range works; ranges on group boundaries
+/// (multiples of 8) read each group once. A (row, token) output depends on neither the range,
+/// n, nor the set: threads, batches and prefill get the single-token result bit for bit. The
+/// avx512 set runs the AVX2 kernel (a group's unit fills a 256-bit register; the loop is bound by
+/// memory, not by vector width).
 template <class B>
 void qgemm_rows(KernelSet ks, float* y, const B* w, const std::int8_t* xc, const float* xs,
-                const std::int32_t* xo, std::size_t n, std::size_t in, std::size_t out,
+                const std::int32_t* xsum, std::size_t n, std::size_t in, std::size_t out,
                 std::size_t r0, std::size_t r1) {
 #if KVDECODE_X86_KERNELS
   switch (ks) {
     case KernelSet::kAvx512Bf16:
-      return qgemm_rows_vnni(y, w, xc, xo, xs, n, in, out, r0, r1);
+      return qgemm_rows_vnni(y, w, xc, xs, xsum, n, in, out, r0, r1);
     case KernelSet::kAvx512:
     case KernelSet::kAvx2:
-      return qgemm_rows_avx2(y, w, xc, xs, n, in, out, r0, r1);
+      return qgemm_rows_avx2(y, w, xc, xs, xsum, n, in, out, r0, r1);
     case KernelSet::kPortable:
       break;
   }
 #endif
   static_cast<void>(ks);
-  static_cast<void>(xo);
-  const std::size_t nb = in / kWeightBlock;
-  for (std::size_t r = r0; r < r1; ++r)
-    for (std::size_t t = 0; t < n; ++t)
-      y[t * out + r] = qdot_portable(w + r * nb, xc + t * in, xs + t * nb, nb);
+  static_cast<void>(xsum);
+  qgemm_rows_portable(y, w, xc, xs, n, in, out, r0, r1);
 }
 
 }  // namespace kvdecode::detail

@@ -100,7 +100,7 @@ struct Activations {
       const auto max_in = static_cast<std::size_t>(std::max(cfg.dim, cfg.hidden_dim));
       x_codes = AlignedBuffer<std::int8_t>(n * max_in);
       x_scales = AlignedBuffer<float>(n * max_in / 32);
-      x_offsets = AlignedBuffer<std::int32_t>(n * max_in / detail::kOffsetGroup);
+      x_sums = AlignedBuffer<std::int32_t>(n * max_in / 32);
     }
   }
 
@@ -124,10 +124,10 @@ struct Activations {
   AlignedBuffer<T> panels;       // [n_threads][kPanelRows][max(dim, hidden_dim)] widened weights
   AlignedBuffer<T> x_rounded;    // [max_chunk] [max(dim, hidden_dim)] input rounded to bf16
                                  // (f32 activations of bf16 weights, max_chunk > 1; else empty)
-  AlignedBuffer<std::int8_t> x_codes;     // [max_chunk] [max(dim, hidden_dim)] input as int8 codes
-  AlignedBuffer<float> x_scales;          // [max_chunk] [max(dim, hidden_dim) / 32] their scales
-  AlignedBuffer<std::int32_t> x_offsets;  // [max_chunk] [max(dim, hidden_dim) / 4] −8 × sums
-                                          // of 4 codes (qgemv.hpp, Q4_0 weights)
+  AlignedBuffer<std::int8_t> x_codes;  // [max_chunk] [max(dim, hidden_dim)] input as int8 codes
+  AlignedBuffer<float> x_scales;       // [max_chunk] [max(dim, hidden_dim) / 32] their scales
+  AlignedBuffer<std::int32_t> x_sums;  // [max_chunk] [max(dim, hidden_dim) / 32] the sum of
+                                       // each block of codes (qgemv.hpp)
   /// The threads every step runs on (not owned); nullptr runs everything on the caller.
   ThreadPool* pool = nullptr;
   /// Threads the per-thread scratch was sized for: a pool set later may have at most this many.

@@ -17,6 +17,7 @@
 #include "kvdecode/bf16.hpp"
 #include "kvdecode/detail/linear.hpp"
 #include "kvdecode/detail/ops.hpp"
+#include "kvdecode/detail/row_groups.hpp"
 #include "kvdecode/error.hpp"
 #include "kvdecode/model/activations.hpp"
 #include "kvdecode/model/attention.hpp"
@@ -65,9 +66,14 @@ class Model {
       }
       widen_into(gains_.data() + 2 * w_.layers.size() * dim, w_.rms_final.data(), dim);
     }
+    if constexpr (kIsBlockFormat<W>) repack_matrices();
   }
 
   const ModelConfig& config() const { return w_.config; }
+  /// The weights the model runs on. With a block format the projection matrices and the
+  /// classifier (the embedding table too when it is shared) are held in the row-group layout of
+  /// detail/row_groups.hpp, repacked in place at construction (detail::repacked_block reads a
+  /// block back as stored).
   const Weights<W>& weights() const { return w_; }
 
   /// Runs one token at the next cache index: computes its q/k/v, appends its K/V to the
@@ -329,9 +335,18 @@ class Model {
       const S& cache = *stores[part.seq];
       for (std::size_t i = part.row; i < part.row + part.rows; ++i) {
         // One row per token; a block format's row dequantized here (llama.cpp's get_rows).
-        const W* row = w_.token_embedding.data() +
-                       static_cast<std::size_t>(tokens[i]) * dim / Weights<W>::kPerElement;
-        widen_into(act.x.data() + i * dim, row, dim);
+        const auto token = static_cast<std::size_t>(tokens[i]);
+        if constexpr (kIsBlockFormat<W>) {
+          if (cfg.shared_classifier) {  // the table is the classifier, repacked
+            detail::dequantize_repacked_row(w_.token_embedding.data(),
+                                            static_cast<std::size_t>(cfg.vocab_size),
+                                            dim / kWeightBlock, token, act.x.data() + i * dim);
+          } else {
+            widen_into(act.x.data() + i * dim, w_.token_embedding.data() + token * dim / 32, dim);
+          }
+        } else {
+          widen_into(act.x.data() + i * dim, w_.token_embedding.data() + token * dim, dim);
+        }
         const std::size_t index = cache.size() + part.pending_first + (i - part.row);
         rope_angles(cache.rope_position(index), hs, cfg.rope_theta, act.rope_cos.data() + i * half,
                     act.rope_sin.data() + i * half);
@@ -427,8 +442,25 @@ class Model {
                            std::size_t in, Activations<T>& act, Order order) {
     detail::linear_group<T, W>(ps, x, n, in, act.pool,
                                {act.panels.data(), act.panel_stride, act.x_rounded.data(),
-                                act.x_codes.data(), act.x_scales.data(), act.x_offsets.data()},
+                                act.x_codes.data(), act.x_scales.data(), act.x_sums.data()},
                                active_kernel_set(), order);
+  }
+
+  /// Block formats: every matrix the projections read, rows interleaved in groups in place
+  /// (detail/row_groups.hpp); the memory held stays the same.
+  void repack_matrices() {
+    const auto dim = static_cast<std::size_t>(w_.config.dim);
+    const auto hidden = static_cast<std::size_t>(w_.config.hidden_dim);
+    std::vector<W> scratch;  // [8][in / 32] one group's rows as stored
+    const auto repack = [&](AlignedBuffer<W>& m, std::size_t in) {
+      const std::size_t nb = in / kWeightBlock;
+      detail::repack_row_groups(m.data(), m.size() / nb, nb, scratch);
+    };
+    for (LayerWeights<W>& lw : w_.layers) {
+      for (AlignedBuffer<W>* m : {&lw.wq, &lw.wk, &lw.wv, &lw.wo, &lw.w1, &lw.w3}) repack(*m, dim);
+      repack(lw.w2, hidden);
+    }
+    repack(w_.config.shared_classifier ? w_.token_embedding : w_.wcls, dim);
   }
 
   /// out [count] = in widened to T; for a block format in holds count / 32 blocks.
