@@ -355,8 +355,12 @@ TEST(EngineTest, RejectsBadOptions) {
 TEST(EngineTest, DecodeStepsAllocateNothing) {
   const ModelConfig cfg = engine_config();
   const Model<double> model(random_weights<double>(cfg, 23));
-  Engine<double> engine(model,
-                        {.n_blocks = 64, .block_size = 4, .max_running = 4, .step_tokens = 16});
+  ThreadPool threads(2);  // the step's threads run the model and the draws
+  Engine<double> engine(model, {.n_blocks = 64,
+                                .block_size = 4,
+                                .max_running = 4,
+                                .step_tokens = 16,
+                                .thread_pool = &threads});
   std::vector<std::shared_ptr<RequestStream>> streams;
   for (std::uint64_t i = 0; i < 4; ++i)
     streams.push_back(engine.submit({.prompt = random_tokens(6 + i, cfg.vocab_size, i),

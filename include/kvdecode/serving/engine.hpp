@@ -75,7 +75,8 @@ struct EngineOptions {
 ///     cached prefix of its tokens (PagedStore::open), so a conversation's next turn and a
 ///     shared system prompt are computed once;
 ///  4. runs everything planned as one Model::prefill_batch pass (each weight read once), then
-///     samples the next token of every sequence whose tokens are all computed.
+///     samples the next token of every sequence whose tokens are all computed (each sequence
+///     has its own Sampler, so the draws are shared out on the step's threads).
 /// A sequence's sampler lives as long as its request and only advances when it samples, so a
 /// preempted request produces what it would have produced alone.
 ///
@@ -107,6 +108,7 @@ class Engine {
         wake_(std::make_shared<detail::WakeSignal>()) {
     running_.reserve(options_.max_running);
     batch_.reserve(options_.max_running);
+    sampling_.reserve(options_.max_running);
     stores_.reserve(options_.max_running);
     lengths_.reserve(options_.max_running);
     batch_tokens_.reserve(options_.step_tokens);
@@ -459,6 +461,7 @@ class Engine {
       return;
     }
     const auto vocab = static_cast<std::size_t>(model_.config().vocab_size);
+    sampling_.clear();
     for (std::size_t b = 0; b < batch_.size(); ++b) {
       Sequence& s = *batch_[b];
       const std::size_t end_pos = s.store.size();
@@ -471,18 +474,39 @@ class Engine {
         s.usage.recomputed_tokens += prompt_rows;
         m_.tokens_recomputed += prompt_rows;
       }
-      if (end_pos == s.tokens.size()) sample(s, logits.subspan(b * vocab, vocab));
+      if (end_pos == s.tokens.size()) sampling_.push_back({b, 0});
     }
+    draw_tokens(logits, vocab);
+    for (const Draw& d : sampling_) append_token(*batch_[d.batch_index], d.token);
     std::erase_if(running_, [](const auto& s) { return s->done; });
   }
 
-  void sample(Sequence& s, std::span<const T> logits) {
-    // The repetition penalty sees the latest repeat_last_n tokens, as generate() keeps them.
-    const SamplerOptions& so = s.sampler.options();
-    const std::size_t last_n =
-        so.repeat_penalty != 1.0 ? std::min(so.repeat_last_n, pool_.capacity()) : 0;
-    const std::span<const std::int32_t> all(s.tokens);
-    const std::int32_t token = s.sampler.sample(logits, all.last(std::min(last_n, all.size())));
+  /// The next token of every sequence in sampling_, from its row of logits [B][vocab]. Each
+  /// sequence has its own Sampler (softmax, sort and generator state over the whole vocabulary),
+  /// so the draws are shared out on the step's threads; the token of a sequence does not depend
+  /// on which thread drew it.
+  void draw_tokens(std::span<const T> logits, std::size_t vocab) {
+    ThreadPool* const threads = sampling_.size() > 1 ? options_.thread_pool : nullptr;
+    std::atomic<std::size_t> next{0};
+    parallel_run(threads, [&](std::size_t, std::size_t) {
+      for (std::size_t i = next.fetch_add(1, std::memory_order_relaxed); i < sampling_.size();
+           i = next.fetch_add(1, std::memory_order_relaxed)) {
+        Draw& d = sampling_[i];
+        Sequence& s = *batch_[d.batch_index];
+        // The repetition penalty sees the latest repeat_last_n tokens, as generate() keeps them.
+        const SamplerOptions& so = s.sampler.options();
+        const std::size_t last_n =
+            so.repeat_penalty != 1.0 ? std::min(so.repeat_last_n, pool_.capacity()) : 0;
+        const std::span<const std::int32_t> all(s.tokens);
+        d.token = s.sampler.sample(logits.subspan(d.batch_index * vocab, vocab),
+                                   all.last(std::min(last_n, all.size())));
+      }
+    });
+  }
+
+  /// Appends a drawn token to s and tells its stream; ends s on a stop token, at max_tokens or
+  /// with a full context.
+  void append_token(Sequence& s, std::int32_t token) {
     s.tokens.push_back(token);  // within the reservation
     ++s.usage.generated_tokens;
     ++m_.tokens_generated;
@@ -553,6 +577,11 @@ class Engine {
   std::vector<PagedStore<T>*> stores_;              // [≤ max_running] their stores
   std::vector<std::size_t> lengths_;                // [≤ max_running] tokens of each this step
   std::vector<std::int32_t> batch_tokens_;          // [≤ step_tokens] concatenated
+  struct Draw {
+    std::size_t batch_index;  // the sequence's row in batch_ and in the step's logits
+    std::int32_t token;       // what its sampler drew
+  };
+  std::vector<Draw> sampling_;  // [≤ max_running] the sequences that sample this step
   std::size_t planned_blocks_ = 0;
   EngineMetrics m_;
 
