@@ -243,23 +243,28 @@ void BM_GemmFewBf16(benchmark::State& state) {
 }
 
 /// A batched step's projection, one thread, the active set: range(0) tokens through gemm_few
-/// (range(1) = 0, each output summed as the GEMV) or gemm_lanes (1, outputs in lanes), on a
-/// 512 × 512 block that stays in L2 (range(2) = 0) or the 15M classifier, 32000 × 288 (37 MB,
-/// streamed from memory; 1).
+/// (range(1) = 0, each output summed as the GEMV), gemm_lanes without a panel (1, the weight-lane
+/// tiles) or with the thread's panel (2: f32 on AVX-512 from kTokenLanesMin tokens, the
+/// token-lane tiles), on a 512 × 512 block that stays in L2 (range(2) = 0) or the 15M
+/// classifier, 32000 × 288 (37 MB, streamed from memory; 1).
 void BM_FewTokens(benchmark::State& state) {
   const auto n = static_cast<std::size_t>(state.range(0));
-  const bool lanes = state.range(1) == 1;
+  const bool lanes = state.range(1) >= 1;
+  const bool with_panel = state.range(1) == 2;
   const std::size_t out = state.range(2) == 0 ? 512 : 32000;
   const std::size_t in = state.range(2) == 0 ? 512 : 288;
   const AlignedBuffer<float> w = random_buffer<float>(out * in, 5);
   const AlignedBuffer<float> x = random_buffer<float>(n * in, 6);
   AlignedBuffer<float> y(n * out);
+  AlignedBuffer<float> panel(detail::kPanelRows * in);  // [kPanelRows][in] the thread's scratch
   const KernelSet ks = active_kernel_set();
-  state.SetLabel(std::string(kernel_set_name(ks)) + (lanes ? " gemm_lanes" : " gemm_few"));
+  state.SetLabel(std::string(kernel_set_name(ks)) + (with_panel ? " gemm_lanes+panel"
+                                                     : lanes    ? " gemm_lanes"
+                                                                : " gemm_few"));
   const auto run = [&] {
     if (lanes) {
       detail::gemm_lanes(ks, y.data(), x.data(), w.data(), n, in, out, 0, out,
-                         static_cast<float*>(nullptr));
+                         with_panel ? panel.data() : nullptr);
     } else {
       detail::gemm_few(ks, y.data(), x.data(), w.data(), n, in, out, 0, out,
                        static_cast<float*>(nullptr));
@@ -304,7 +309,7 @@ BENCHMARK(BM_GemmFewBf16)
     ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_FewTokens)
-    ->ArgsProduct({{2, 4, 16}, {0, 1}, {0, 1}})
+    ->ArgsProduct({{2, 4, 16}, {0, 1, 2}, {0, 1}})
     ->ArgNames({"n", "lanes", "classifier"})
     ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);

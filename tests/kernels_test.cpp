@@ -210,9 +210,11 @@ float fma_chain(const W* w, const float* x, std::size_t cols) {
 /// naive loop and equal bit for bit to the same token run alone (a sequence's outputs do not
 /// depend on its batch); with a lane kernel and without vdpbf16ps (whose pair sums have their
 /// own order) also to fma_chain, the order the header promises. Rows 1..97 cover tiles of 64,
-/// 32 and 16 rows and their tails; columns past 256 cover several transposed chunks.
+/// 32 and 16 rows and their tails; columns past 256 cover several transposed chunks. With a
+/// panel, f32 weights on AVX-512 take the token-lane tiles from kTokenLanesMin tokens (the token
+/// run alone, without a panel, takes the weight-lane tiles: the two agree bit for bit).
 template <class W>
-void check_gemm_lanes(KernelSet ks) {
+void check_gemm_lanes(KernelSet ks, bool with_panel) {
   const bool chain = detail::has_gemm_lanes<float, W>(ks) &&
                      !(std::is_same_v<W, bf16> && ks == KernelSet::kAvx512Bf16);
   for (std::size_t n = 1; n <= detail::kMaxFewTokens; ++n)
@@ -227,8 +229,9 @@ void check_gemm_lanes(KernelSet ks) {
           x = x0;
         }
         std::vector<float> y(n * rows, std::numeric_limits<float>::quiet_NaN());  // [n][rows]
+        std::vector<float> panel(with_panel ? detail::kPanelRows * cols : 0);
         detail::gemm_lanes(ks, y.data(), x.data(), w.data(), n, cols, rows, 1, rows,
-                           static_cast<float*>(nullptr));
+                           with_panel ? panel.data() : nullptr);
         for (std::size_t t = 0; t < n; ++t) {
           const float* xt = x.data() + t * cols;
           std::vector<double> ref, mag;
@@ -254,10 +257,17 @@ void check_gemm_lanes(KernelSet ks) {
 }
 
 TEST_P(KernelSetTest, GemmLanesIsOneFmaChainPerOutputWhateverTheBatch) {
-  check_gemm_lanes<float>(ks());
+  check_gemm_lanes<float>(ks(), /*with_panel=*/false);
 }
 
-TEST_P(KernelSetTest, GemmLanesBf16IsBatchIndependent) { check_gemm_lanes<bf16>(ks()); }
+TEST_P(KernelSetTest, GemmLanesTokenTilesAreTheSameChains) {
+  check_gemm_lanes<float>(ks(), /*with_panel=*/true);
+}
+
+TEST_P(KernelSetTest, GemmLanesBf16IsBatchIndependent) {
+  check_gemm_lanes<bf16>(ks(), /*with_panel=*/false);
+  check_gemm_lanes<bf16>(ks(), /*with_panel=*/true);
+}
 
 TEST_P(KernelSetTest, GemmPackedMatchesNaive) {
   if (!detail::has_gemm_packed<float, float>(ks()))

@@ -11,6 +11,10 @@
 // at transposition, the same chain; with AVX512_BF16 vdpbf16ps adds the products pair by pair.
 // Choice: Model's batched entry points use it for 2..16 rows (linear.hpp FewTokenOrder::kLanes),
 // trading bit-equality with decode() (B = 1 stays the GEMV) for speed and batch independence.
+// From kTokenLanesMin tokens, f32 weights on AVX-512 turn the tile around: the tokens fill the
+// lanes (x transposed once into the thread's panel) and each weight is broadcast from memory
+// into its row's fma, so the weights stream in their own order with no transposes, the same
+// chain per output.
 #pragma once
 
 #include <algorithm>
@@ -32,6 +36,10 @@ inline constexpr std::size_t kLaneRows = 16;
 /// The transposed chunk of a tile of R × kLaneRows rows holds kLaneChunk / R columns: 16 KiB,
 /// so it stays in L1 while every token of the batch reads it.
 inline constexpr std::size_t kLaneChunk = 256;
+
+/// Tokens from which f32 weights on AVX-512 run with the tokens in lanes (gemm_tokens_avx512):
+/// below it most of each fma's 16 lanes would be padding.
+inline constexpr std::size_t kTokenLanesMin = 4;
 
 /// Whether set ks has a gemm_lanes kernel for these types (else gemm_lanes is gemm_few).
 template <class T, class W>
@@ -322,6 +330,61 @@ KVDECODE_TARGET_AVX512BF16 inline void lanes_tile_dpbf16(float* y, const float* 
 }
 
 // ---------------------------------------------------------------------------------------------
+// AVX-512, f32 weights, tokens in lanes: 16 rows × 16 tokens per tile, no weight transposes.
+// ---------------------------------------------------------------------------------------------
+
+static_assert(kPanelRows >= kLaneRows, "x transposed, [in][16], is kept in a thread's panel");
+
+/// xt [in][16] = x [n][in] transposed (n ≤ 16), lanes past n zero.
+KVDECODE_TARGET_AVX512 inline void transpose_tokens_avx512(float* xt, const float* x, std::size_t n,
+                                                           std::size_t in) {
+  for (std::size_t k = 0; k < in; k += 16) {
+    __m512 v[16];
+    const std::size_t cols = std::min<std::size_t>(16, in - k);
+    load_transpose16_avx512(v, x + k, in, n, cols);
+    for (std::size_t c = 0; c < cols; ++c) _mm512_storeu_ps(xt + (k + c) * 16, v[c]);
+  }
+}
+
+/// y [n][out] columns [r, r + 16) = w rows [r, r + 16) · xt [in][16]: for each k, row i's weight
+/// broadcast times the column of tokens into accumulator i (one fma chain per output, k in
+/// order, as lanes_block_avx512), then the 16 × 16 outputs transposed into y. The next `next`
+/// rows (contiguous after these, 16 × in floats at most: in lines) are prefetched into L2 one
+/// line per k, while the weights here are read once each from memory.
+KVDECODE_TARGET_AVX512 inline void tokens_tile_avx512(float* y, const float* xt, const float* w,
+                                                      std::size_t n, std::size_t in,
+                                                      std::size_t out, std::size_t r,
+                                                      std::size_t next) {
+  __m512 a[16];  // a[i] lane t: output (row r + i, token t)
+  KVDECODE_UNROLL
+  for (int i = 0; i < 16; ++i) a[i] = _mm512_setzero_ps();
+  // Rows i and i + 8 share a pointer (the second at offset 8 × in), so the 16 rows take 9
+  // registers and the loop keeps every address in one.
+  const float* p[8];  // p[i] = &w[r + i][k]
+  KVDECODE_UNROLL
+  for (int i = 0; i < 8; ++i) p[i] = w + (r + static_cast<std::size_t>(i)) * in;
+  const std::size_t half = 8 * in;
+  const char* pf = reinterpret_cast<const char*>(w + (r + kLaneRows) * in);
+  const char* const pf_end = pf + next * in * sizeof(float);
+  const float* const xt_end = xt + in * 16;
+  for (const float* xk = xt; xk != xt_end; xk += 16) {
+    if (pf < pf_end) {
+      _mm_prefetch(pf, _MM_HINT_T1);
+      pf += 64;
+    }
+    const __m512 xv = _mm512_loadu_ps(xk);
+    KVDECODE_UNROLL
+    for (int i = 0; i < 8; ++i) {
+      a[i] = _mm512_fmadd_ps(_mm512_set1_ps(p[i][0]), xv, a[i]);
+      a[i + 8] = _mm512_fmadd_ps(_mm512_set1_ps(p[i][half]), xv, a[i + 8]);
+      ++p[i];
+    }
+  }
+  transpose16_avx512(a);  // a[t] lane i: output (row r + i, token t)
+  for (std::size_t t = 0; t < n; ++t) _mm512_storeu_ps(y + t * out + r, a[t]);
+}
+
+// ---------------------------------------------------------------------------------------------
 // AVX2: 8 × 8 transposes, tiles of 16 rows (two ymm) against up to 6 tokens.
 // ---------------------------------------------------------------------------------------------
 
@@ -461,10 +524,21 @@ inline void lanes_rows(std::size_t n, std::size_t c0, std::size_t c1, Tile&& til
   }
 }
 
+/// xt: the thread's panel, for x transposed ([in][16]; nullptr: the weight-lane tiles only).
 template <class W>
 KVDECODE_TARGET_AVX512 inline void gemm_lanes_avx512(float* y, const float* x, const W* w,
                                                      std::size_t n, std::size_t in, std::size_t out,
-                                                     std::size_t c0, std::size_t c1) {
+                                                     std::size_t c0, std::size_t c1, float* xt) {
+  if constexpr (std::is_same_v<W, float>) {
+    if (xt != nullptr && n >= kTokenLanesMin) {
+      transpose_tokens_avx512(xt, x, n, in);
+      const std::size_t full = c0 + (c1 - c0) / kLaneRows * kLaneRows;  // rows in whole tiles
+      for (std::size_t r = c0; r < full; r += kLaneRows)
+        tokens_tile_avx512(y, xt, w, n, in, out, r, std::min(kLaneRows, c1 - r - kLaneRows));
+      if (full == c1) return;
+      c0 = full;  // the last rows: the weight-lane tile of 16, the same chains
+    }
+  }
   lanes_rows(n, c0, c1, [&](std::size_t R, std::size_t r, std::size_t rows, std::size_t next) {
     if (R == 4) return lanes_tile_avx512<4>(y, x, w, n, in, out, r, rows, next);
     if (R == 2) return lanes_tile_avx512<2>(y, x, w, n, in, out, r, rows, next);
@@ -498,8 +572,10 @@ KVDECODE_INTRINSICS_END
 
 /// y [n][out] columns [c0, c1) = x [n][in] · w [c0..c1)[in]ᵀ for n ≤ kMaxFewTokens tokens, each
 /// output one fma chain over k in order (the header comment), so independent of n and of the
-/// other tokens. With bf16 weights x must already be rounded (round_to_bf16). Without a kernel
-/// for the types and set (has_gemm_lanes) it is gemm_few.
+/// other tokens. With bf16 weights x must already be rounded (round_to_bf16). panel: the
+/// thread's scratch of kPanelRows × in elements (gemm_few's; with f32 weights on AVX-512 it holds
+/// x transposed for the token-lane tiles) or nullptr (then f32 weights take the weight-lane
+/// tiles only). Without a kernel for the types and set (has_gemm_lanes) it is gemm_few.
 template <class T, class W>
 void gemm_lanes(KernelSet ks, T* y, const T* x, const W* w, std::size_t n, std::size_t in,
                 std::size_t out, std::size_t c0, std::size_t c1, T* panel) {
@@ -510,9 +586,9 @@ void gemm_lanes(KernelSet ks, T* y, const T* x, const W* w, std::size_t n, std::
         if constexpr (std::is_same_v<W, bf16>)
           return gemm_lanes_dpbf16(y, x, w, n, in, out, c0, c1);
         else
-          return gemm_lanes_avx512(y, x, w, n, in, out, c0, c1);
+          return gemm_lanes_avx512(y, x, w, n, in, out, c0, c1, panel);
       case KernelSet::kAvx512:
-        return gemm_lanes_avx512(y, x, w, n, in, out, c0, c1);
+        return gemm_lanes_avx512(y, x, w, n, in, out, c0, c1, panel);
       case KernelSet::kAvx2:
         return gemm_lanes_avx2(y, x, w, n, in, out, c0, c1);
       case KernelSet::kPortable:
