@@ -75,11 +75,8 @@ class SequenceLedger {
   std::size_t memory_bytes() const {
     return static_cast<std::size_t>(token_id_bytes(tokens_.capacity()));
   }
-  /// The bytes memory_bytes() reports for a ledger of `capacity` ids, or of keeping(head,
-  /// shown, reach).
-  static constexpr std::uint64_t memory_bytes_for(std::uint64_t capacity) {
-    return token_id_bytes(capacity);
-  }
+  /// The bytes memory_bytes() reports for keeping(head, shown, reach); token_id_bytes(capacity)
+  /// for a ledger of every id.
   static constexpr std::uint64_t memory_bytes_for(std::uint64_t head, std::uint64_t shown,
                                                   std::uint64_t reach) {
     return token_id_bytes(
