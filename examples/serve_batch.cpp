@@ -171,8 +171,8 @@ void decode_step(const kvdecode::Model<float>& model, std::vector<Request*>& bat
 }
 
 /// Blocks `r` may still take: its whole need less what its table already holds.
-std::size_t outstanding(const Request& r, const kvdecode::BlockPool<float>& pool) {
-  const std::size_t held = r.seq.memory_bytes() / pool.block_bytes();
+std::size_t outstanding(const Request& r) {
+  const std::size_t held = r.seq.block_table().size();
   return r.blocks_needed > held ? r.blocks_needed - held : 0;
 }
 
@@ -230,7 +230,7 @@ int run(const Options& o) {
         continue;
       }
       std::size_t promised = 0;
-      for (const Request* b : batch) promised += outstanding(*b, pool);
+      for (const Request* b : batch) promised += outstanding(*b);
       if (batch.size() == max_batch || pool.n_available() < promised + r.blocks_needed) break;
       queue.pop_front();
       const Clock::time_point t0 = Clock::now();

@@ -56,6 +56,42 @@ TEST(AllocationTest, DecodeStepOnQuantizedStoresAllocatesNothing) {
   expect_decode_allocates_nothing<float>(cfg, Q2Store<float>(cfg, 0, 16, 0, /*rotate=*/false));
 }
 
+// A window store with sinks and no length limit decodes 100 times S + 2R positions (30 times
+// seq_len, 40 times its buffer of token ids) allocating nothing, and holds the same bytes
+// throughout: the ids of old positions are dropped in place, not grown. Both policies.
+TEST(AllocationTest, WindowStoreDecodesFarPastItsWindowAllocatingNothing) {
+  const ModelConfig cfg = testing_util::small_config(4, 2, 64);
+  const Model<float> model(random_weights<float>(cfg, 5));
+  for (const WindowPolicy policy : {WindowPolicy::kStreaming, WindowPolicy::kTrainedWindow}) {
+    const std::size_t S = 2, W = 8, chunk = 1, R = W - 1 + chunk, n = 100 * (S + 2 * R);
+    WindowStore<float> cache(cfg, {.window = W,
+                                   .sinks = S,
+                                   .policy = policy,
+                                   .max_chunk = chunk,
+                                   .capacity = kUnboundedPositions});
+    Activations<float> act(cfg, {.max_chunk = chunk, .store_scratch = cache.block_scratch_size()});
+    const auto tokens = testing_util::random_tokens(n, cfg.vocab_size, 6);
+    model.decode(tokens[0], cache, act);  // warm-up outside the counted region
+    const std::size_t bytes = cache.memory_bytes();
+    const long before = g_allocations.load();
+    Eigen::internal::set_is_malloc_allowed(false);
+    for (std::size_t p = 1; p < n; ++p) {
+      model.decode(tokens[p], cache, act);
+      if (cache.memory_bytes() != bytes) break;  // checked below, once
+    }
+    Eigen::internal::set_is_malloc_allowed(true);
+    EXPECT_EQ(g_allocations.load() - before, 0) << "heap allocations during decode";
+    EXPECT_EQ(cache.memory_bytes(), bytes);
+    EXPECT_EQ(cache.size(), n);
+    // The ids it shows: those of the newest R positions; the sinks' and R + max_chunk newest
+    // at least are held, in S + 2(R + max_chunk) slots (counted in memory_bytes()).
+    const auto held = cache.tokens();
+    ASSERT_EQ(held.size(), R);
+    EXPECT_GT(cache.dropped_tokens(), 0u);
+    EXPECT_TRUE(std::equal(held.begin(), held.end(), tokens.end() - static_cast<long>(R)));
+  }
+}
+
 // Block-format weights: the input quantization writes into the Activations' scratch, on one
 // thread and on a pool.
 template <class B>

@@ -393,7 +393,8 @@ TYPED_TEST(CacheFileStoreTest, LongestPrefixKeepsWhatThePromptShares) {
   differs[20] = (differs[20] + 1) % static_cast<std::int32_t>(this->cfg_.vocab_size);
   EXPECT_EQ(kvdecode::restore_longest_prefix(this->fingerprint_, s, differs, this->file_), 20u);
   EXPECT_EQ(s.size(), 20u);
-  EXPECT_TRUE(std::equal(s.tokens().begin(), s.tokens().end(), differs.begin()));
+  EXPECT_EQ(Tokens(s.tokens().begin(), s.tokens().end()),
+            kvdecode::testing_util::shown_tokens(s, Tokens(differs.begin(), differs.begin() + 20)));
   // Differing at position 5: a window store cannot roll back 20 positions; the others can.
   differs = Tokens(this->tokens_.begin(), this->tokens_.begin() + 30);
   differs[5] = (differs[5] + 1) % static_cast<std::int32_t>(this->cfg_.vocab_size);

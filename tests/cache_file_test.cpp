@@ -164,7 +164,7 @@ TEST_F(CacheFileTest, RoundTripsDoubleStoresAndTheEmptyCache) {
 TEST_F(CacheFileTest, HeaderRecordsTheModelStoreAndTokens) {
   save_prefix(12);
   const CacheFileInfo info = kvdecode::read_cache_file_header(file_);
-  EXPECT_EQ(info.version, 2u);
+  EXPECT_EQ(info.version, 3u);
   EXPECT_EQ(info.store_tag, 1u);
   EXPECT_EQ(info.store_name, "contiguous");
   EXPECT_EQ(info.scalar_bytes, 4u);
@@ -247,7 +247,7 @@ TEST_F(CacheFileTest, RejectsAnotherFormatVersion) {
   auto b = read_bytes(file_);
   put_u32(b, cf::kOffVersion, 1);
   write_bytes(file_, b);
-  expect_rejected(file_, "format version 1, this build reads version 2");
+  expect_rejected(file_, "format version 1, this build reads version 3");
 }
 
 TEST_F(CacheFileTest, RejectsACorruptedHeader) {

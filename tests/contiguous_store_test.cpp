@@ -35,9 +35,12 @@ TEST(ContiguousStoreTest, MemoryBytesFollowsTheFormula) {
     for (const std::size_t capacity : {1u, 17u, 48u, 1000u}) {
       const ContiguousStore<float> f(cfg, capacity);
       const ContiguousStore<double> d(cfg, capacity);
-      const std::size_t elems = 2 * 2 * capacity * static_cast<std::size_t>(kv_heads) * 16;
-      EXPECT_EQ(f.memory_bytes(), elems * sizeof(float));
-      EXPECT_EQ(d.memory_bytes(), elems * sizeof(double));
+      // Keys and values of 2 layers × kv_heads × 16 elements a position, and a 4-byte id.
+      const std::size_t elems = 2 * capacity * static_cast<std::size_t>(kv_heads) * 16;
+      EXPECT_EQ(f.memory_bytes(),
+                2 * testing_util::allocated(elems * sizeof(float)) + 4 * capacity);
+      EXPECT_EQ(d.memory_bytes(),
+                2 * testing_util::allocated(elems * sizeof(double)) + 4 * capacity);
       EXPECT_EQ(f.capacity(), capacity);
     }
   }

@@ -46,8 +46,11 @@ void expect_matches_store() {
     // Capacity 0 means seq_len in the store.
     EXPECT_EQ(plan.kv_bytes(static_cast<std::uint64_t>(cfg.seq_len)),
               ContiguousStore<T>(cfg).memory_bytes());
-    EXPECT_EQ(plan.bytes_per_position(),
-              static_cast<double>(ContiguousStore<T>(cfg, 1).memory_bytes()));
+    // K and V of every layer and kv head, and a 4-byte token id.
+    const auto kv_dim = static_cast<std::uint64_t>(cfg.n_kv_heads * cfg.head_size());
+    EXPECT_EQ(
+        plan.bytes_per_position(),
+        static_cast<double>(2 * static_cast<std::uint64_t>(cfg.n_layers) * kv_dim * sizeof(T) + 4));
     EXPECT_EQ(plan.fixed_bytes(), 0u);
   }
 }
@@ -136,34 +139,35 @@ TEST(MemoryPlannerTest, BytesEqualWhatEveryStoreKindReserves) {
   expect_every_store_matches<double>();
 }
 
-// The int8 store's scale costs 4 bytes per head_size values: 1/4 + 1/head_size of the f32
-// cache, within 27 % from head_size 64 up (26.6 % at 64, 27.1 % at 48).
+// The int8 store's scale costs 4 bytes per head_size values: about 1/4 + 1/head_size of the f32
+// cache (both with a 4-byte token id per position), within 27 % from head_size 64 up (26.7 % at
+// 64 here, 27.2 % at 48).
 TEST(MemoryPlannerTest, Int8CacheIsAtMost27PercentOfF32FromHeadSize64) {
   for (const std::int64_t hs : {64, 96, 128, 256}) {
-    const ModelConfig cfg = shape(4 * hs, 2, 4, 2, 64);
+    const ModelConfig cfg = shape(4 * hs, 2, 4, 2, 64);  // 2 layers × 2 kv heads
     const MemoryPlanner<ContiguousStore<float>> f32(cfg);
     const MemoryPlanner<Int8Store<float>> i8(cfg);
     const double ratio = i8.bytes_per_position() / f32.bytes_per_position();
-    EXPECT_DOUBLE_EQ(ratio, 0.25 + 1.0 / static_cast<double>(hs)) << "head_size " << hs;
+    const auto h = static_cast<double>(hs);
+    EXPECT_DOUBLE_EQ(ratio, (2 * 4 * (h + 4) + 4) / (2 * 4 * h * 4 + 4)) << "head_size " << hs;
     EXPECT_LE(ratio, 0.27) << "head_size " << hs;
   }
 }
 
-// The 4-bit store's fixed part is its staging of one group and the cancel copy of it, in T:
-// 4 × n_layers × n_kv_heads × G × head_size × sizeof(T), whatever the context.
 // The fixed part of a 4-bit cache: the ring of R + G exact rows of K and V per (layer, kv head)
-// and its cancel copy, one group's work rows (2·G·hs + 2·hs + 2·G floats) and two counters
-// per layer.
+// and its cancel copy (four buffers), one group's work rows (2·G·hs + 2·hs + 2·G floats), each
+// buffer allocated in whole 64-byte lines, and two counters per layer.
 TEST(MemoryPlannerTest, Q4FixedBytesAreTheRingAndTheWorkRows) {
+  const auto lines = [](std::uint64_t bytes) { return (bytes + 63) / 64 * 64; };
   for (const ModelConfig& cfg : configs()) {
     for (const std::size_t g : {16u, 64u}) {
       const MemoryPlanner<Q4Store<float>> plan(cfg, {.group = g, .residual = 128});
       const auto hs = static_cast<std::uint64_t>(cfg.head_size());
-      EXPECT_EQ(
-          plan.fixed_bytes(),
-          4u * static_cast<std::uint64_t>(cfg.n_layers * cfg.n_kv_heads) * (128 + g) * hs * 4u +
-              (2 * g * hs + 2 * hs + 2 * g) * 4u +
-              2 * static_cast<std::uint64_t>(cfg.n_layers) * sizeof(std::size_t));
+      EXPECT_EQ(plan.fixed_bytes(),
+                4 * lines(static_cast<std::uint64_t>(cfg.n_layers * cfg.n_kv_heads) * (128 + g) *
+                          hs * 4u) +
+                    lines((2 * g * hs + 2 * hs + 2 * g) * 4u) +
+                    2 * static_cast<std::uint64_t>(cfg.n_layers) * sizeof(std::size_t));
     }
   }
 }
@@ -180,7 +184,7 @@ TEST(MemoryPlannerTest, PaddingIsTheLastBlocksUnusedRows) {
   EXPECT_EQ(b16.padding_bytes(1000, 3), 3 * (1008 - 1000) * row);
   EXPECT_EQ(b64.padding_bytes(1000), (1024 - 1000) * row);
   EXPECT_EQ(b64.padding_bytes(1), 63 * row);
-  EXPECT_EQ(b64.padding_bytes(1000) + 1000 * row, b64.kv_bytes(1000));
+  EXPECT_EQ(b64.padding_bytes(1000) + 1000 * (row + 4), b64.kv_bytes(1000));  // and token ids
   EXPECT_EQ(MemoryPlanner<ContiguousStore<float>>(cfg).padding_bytes(1000), 0u);
 }
 
@@ -238,8 +242,10 @@ TEST(MemoryPlannerTest, SharedKvHeadsShrinkTheCacheByTheGroupSize) {
   const MemoryPlanner<ContiguousStore<float>> mha(shape(256, 4, 8, 8, 64));
   const MemoryPlanner<ContiguousStore<float>> gqa(shape(256, 4, 8, 2, 64));
   const MemoryPlanner<ContiguousStore<float>> mqa(shape(256, 4, 8, 1, 64));
-  EXPECT_EQ(mha.kv_bytes(1000), 4 * gqa.kv_bytes(1000));
-  EXPECT_EQ(mha.kv_bytes(1000), 8 * mqa.kv_bytes(1000));
+  // K and V shrink (3.9 MB each for MHA: whole 64-byte lines); the 4-byte token ids do not.
+  const std::uint64_t ids = 4 * 1000;
+  EXPECT_EQ(mha.kv_bytes(1000) - ids, 4 * (gqa.kv_bytes(1000) - ids));
+  EXPECT_EQ(mha.kv_bytes(1000) - ids, 8 * (mqa.kv_bytes(1000) - ids));
 }
 
 TEST(MemoryPlannerTest, WeightBytesEqualWeightsBytes) {
@@ -274,7 +280,11 @@ TEST(MemoryPlannerTest, WeightBytesOfBlockFormats) {
 }
 
 // A server can size caches at compile time: the 15M shape with seq_len 2048 (6 layers, 6 kv
-// heads of 48) takes 2 × 6 × 6 × 48 × 4 = 13824 bytes per position.
+// heads of 48) takes 2 × 6 × 6 × 48 × 4 = 13824 bytes of K and V per position and a 4-byte
+// token id. K and V of 2048 positions are 6912 × 2048 = 13.5 MiB each, allocated as 14 MiB
+// (whole 2 MiB huge pages). 1 GiB holds 77368 positions: 6912 × 77368 bytes fit 255 huge pages,
+// so the two buffers and the ids take 2 × 255 × 2 MiB + 4 × 77368 ≤ 2^30; one more position
+// needs 256 pages each.
 TEST(MemoryPlannerTest, WorksAtCompileTime) {
   constexpr ModelConfig cfg = testing_util::test_config({.dim = 288,
                                                          .hidden_dim = 768,
@@ -284,9 +294,10 @@ TEST(MemoryPlannerTest, WorksAtCompileTime) {
                                                          .vocab_size = 32000,
                                                          .seq_len = 2048});
   constexpr MemoryPlanner<ContiguousStore<float>> plan(cfg);
-  static_assert(plan.bytes_per_position() == 13824);
-  static_assert(plan.kv_bytes(2048, 4) == 4ull * 2048 * 13824);
-  static_assert(plan.max_context(std::uint64_t{1} << 30) == (std::uint64_t{1} << 30) / 13824);
+  constexpr std::uint64_t kMiB = 1 << 20;
+  static_assert(plan.bytes_per_position() == 13828);
+  static_assert(plan.kv_bytes(2048, 4) == 4 * (2 * 14 * kMiB + 4 * 2048));
+  static_assert(plan.max_context(std::uint64_t{1} << 30) == 77368);
   static_assert(weight_bytes<float>(cfg) > 0);
   EXPECT_EQ(plan.kv_bytes(2048), ContiguousStore<float>(cfg).memory_bytes());
 }

@@ -420,28 +420,33 @@ TEST(QuantizedMemoryTest, MemoryBytesFollowTheFormula) {
     const ModelConfig cfg = llama_shape(hs);
     const std::size_t L = 4, kv = 2, h = static_cast<std::size_t>(hs);
     for (const std::size_t capacity : {64u, 1000u, 4096u}) {
-      // int8: codes + one f32 scale per (layer, kv head, position), keys and values.
+      // int8: codes + one f32 scale per (layer, kv head, position), keys and values, each
+      // buffer as allocated, and a 4-byte token id per position.
+      using testing_util::allocated;
       const Int8Store<float> i8(cfg, capacity);
-      EXPECT_EQ(i8.memory_bytes(), 2 * L * kv * capacity * (h + 4));
+      EXPECT_EQ(i8.memory_bytes(), 2 * allocated(L * kv * capacity * h) +
+                                       2 * allocated(L * kv * capacity * 4) + 4 * capacity);
       EXPECT_EQ(i8.memory_bytes(), Int8Store<float>::memory_bytes_for(cfg, {capacity}));
       // 4-bit and 2-bit: per full group of G positions, codes (G·h·bits/8 per K and V), an
       // f16 (min, step) per key channel and per value row; the f32 ring of R + G rows and its
       // cancel copy; work rows 2·G·h + 2·h + 2·G floats; signs h floats when rotating; token
-      // ids; two size_t counters per layer.
+      // ids; two size_t counters per layer. Each of those buffers as allocated.
       for (const std::size_t G : {32u, 64u})
         for (const std::size_t R : {0u, 128u})
           for (const bool rot : {false, true}) {
             const auto expect = [&](auto store, std::size_t bits) {
               using S = decltype(store);
-              const std::size_t groups = capacity / G;
+              const std::size_t groups = L * kv * (capacity / G);  // of every (layer, kv head)
               const std::size_t per_group = 2 * (G * h * bits / 8) + 2 * 2 * h + 2 * 2 * G;
-              const std::size_t residual = 4 * (R + G) * h * sizeof(float);
-              const std::size_t fixed = (2 * G * h + 2 * h + 2 * G) * sizeof(float) +
-                                        (rot ? h * sizeof(float) : 0) + L * 2 * sizeof(std::size_t);
+              const std::size_t residual = 4 * allocated(L * kv * (R + G) * h * sizeof(float));
+              const std::size_t fixed = allocated((2 * G * h + 2 * h + 2 * G) * sizeof(float)) +
+                                        (rot ? allocated(h * sizeof(float)) : 0) +
+                                        L * 2 * sizeof(std::size_t);
               EXPECT_EQ(store.memory_bytes(),
-                        L * kv * (groups * per_group + residual) + fixed + 4 * capacity)
+                        2 * allocated(groups * G * h * bits / 8) + 2 * allocated(groups * h * 2) +
+                            2 * allocated(groups * G * 2) + residual + fixed + 4 * capacity)
                   << bits << " bits G " << G << " R " << R << " capacity " << capacity;
-              EXPECT_EQ(store.residual_bytes(), L * kv * residual);
+              EXPECT_EQ(store.residual_bytes(), residual);
               EXPECT_EQ(store.memory_bytes(), S::memory_bytes_for(cfg, {capacity, G, R, rot}));
               EXPECT_DOUBLE_EQ(MemoryPlanner<S>(cfg, {.group = G, .residual = R, .rotate = rot})
                                        .bytes_per_position() *

@@ -55,6 +55,26 @@ constexpr ModelConfig small_config(std::int64_t n_heads = 4, std::int64_t n_kv_h
                       .seq_len = seq_len});
 }
 
+/// The bytes the library's buffers allocate for `bytes` bytes, as its header documents them:
+/// whole 64-byte lines, or whole 2 MiB huge pages from 4 MiB on. Written here, not taken from
+/// the library, so memory tests check its arithmetic.
+constexpr std::uint64_t allocated(std::uint64_t bytes) {
+  const std::uint64_t unit = bytes >= (std::uint64_t{4} << 20) ? std::uint64_t{2} << 20 : 64;
+  return (bytes + unit - 1) / unit * unit;
+}
+
+/// The ids a store's tokens() shows when it holds the sequence `all`: every one, but for a window
+/// store holding more than S + R positions (R = W - 1 + max_chunk) those of the newest R.
+template <class S>
+std::vector<std::int32_t> shown_tokens(const S& store, const std::vector<std::int32_t>& all) {
+  std::size_t n = all.size();
+  if constexpr (requires { store.sinks(); }) {
+    const std::size_t r = store.window() - 1 + store.max_chunk();
+    if (n > store.sinks() + r) n = r;
+  }
+  return {all.end() - static_cast<std::ptrdiff_t>(n), all.end()};
+}
+
 /// dim 16, 2 query heads on 1 kv head (GQA), vocab 11, 24 positions: a model whose no-cache
 /// recompute costs microseconds, for property runs of thousands of operations.
 constexpr ModelConfig tiny_config(std::int64_t n_layers) {

@@ -10,6 +10,7 @@
 #include <memory>
 #include <vector>
 
+#include "kvdecode/io/cache_file.hpp"
 #include "kvdecode/io/checkpoint.hpp"
 #include "store_conformance.hpp"
 
@@ -325,6 +326,70 @@ TEST(WindowStoreTest, RefusesSizesBeyondTheModel) {
             WindowStore<float>::memory_bytes_for(
                 cfg, {.window = 8, .sinks = 2, .policy = streaming, .max_chunk = 4}));
   EXPECT_EQ(s.capacity(), kUnboundedPositions);
+}
+
+// Far past its window a store keeps the ids of its sinks and of at least R + max_chunk newest
+// positions, in S + 2(R + max_chunk) slots: tokens() is the tail of R ids of what was fed. Rollback
+// within max_chunk still works, and a saved cache restores into a fresh store that continues bit
+// for bit, holding the same ids; matched against a prompt, such a file offers only its sinks, whose
+// ids it still holds.
+TEST(WindowStoreTest, FarPastItsWindowItKeepsTheNewestIdsRollsBackAndRestores) {
+  const ModelConfig cfg = small_config(4, 2, 64);
+  const Model<float> model(random_weights<float>(cfg, 21));
+  const std::size_t S = 3, W = 6, chunk = 2, R = W - 1 + chunk, n = 20 * (S + 2 * R);
+  const WindowOptions o{.window = W,
+                        .sinks = S,
+                        .policy = WindowPolicy::kStreaming,
+                        .max_chunk = chunk,
+                        .capacity = kUnboundedPositions};
+  const auto fed = random_tokens(n + 1, cfg.vocab_size, 22);
+  WindowStore<float> s(cfg, o);
+  Activations<float> act(cfg, {.max_chunk = chunk, .store_scratch = s.block_scratch_size()});
+  for (std::size_t p = 0; p < n; ++p) model.decode(fed[p], s, act);
+  const auto tail_of = [&](std::size_t end, std::span<const std::int32_t> held) {
+    return std::vector<std::int32_t>(fed.begin() + static_cast<long>(end - held.size()),
+                                     fed.begin() + static_cast<long>(end));
+  };
+  ASSERT_EQ(s.size(), n);
+  EXPECT_EQ(s.tokens().size(), R);
+  EXPECT_GT(s.dropped_tokens(), 0u);
+  EXPECT_EQ(std::vector<std::int32_t>(s.tokens().begin(), s.tokens().end()),
+            tail_of(n, s.tokens()));
+
+  // Rollback of max_chunk = 2 positions, and the same token again: as if never rolled back.
+  const auto first = model.decode(fed[n], s, act);
+  const std::vector<float> next(first.begin(), first.end());
+  model.decode(fed[n], s, act);
+  EXPECT_EQ(s.max_exact_rollback(), chunk);
+  s.truncate(n);
+  EXPECT_EQ(std::vector<std::int32_t>(s.tokens().begin(), s.tokens().end()),
+            tail_of(n, s.tokens()));
+  const auto again = model.decode(fed[n], s, act);
+  EXPECT_EQ(std::vector<float>(again.begin(), again.end()), next);  // bit for bit
+  s.truncate(n);
+
+  const std::filesystem::path file =
+      std::filesystem::temp_directory_path() / "kvdecode_window_far_past.kvc";
+  save_cache(model, s, file);
+  WindowStore<float> restored(cfg, o);
+  restore_cache(model, restored, file);
+  EXPECT_EQ(restored.size(), n);
+  EXPECT_EQ(restored.dropped_tokens(), s.dropped_tokens());
+  EXPECT_EQ(std::vector<std::int32_t>(restored.tokens().begin(), restored.tokens().end()),
+            std::vector<std::int32_t>(s.tokens().begin(), s.tokens().end()));
+  EXPECT_EQ(restored.memory_bytes(), s.memory_bytes());
+  Activations<float> act2(cfg, {.max_chunk = chunk, .store_scratch = s.block_scratch_size()});
+  const auto a = model.decode(fed[n], s, act);
+  const auto b = model.decode(fed[n], restored, act2);
+  EXPECT_EQ(std::vector<float>(a.begin(), a.end()), std::vector<float>(b.begin(), b.end()));
+
+  // The prompt is everything fed: only the sinks' ids can be checked against it.
+  WindowStore<float> matched(cfg, o);
+  EXPECT_EQ(restore_longest_prefix(model_fingerprint(model), matched, fed, file), S);
+  EXPECT_EQ(matched.size(), S);
+  EXPECT_EQ(std::vector<std::int32_t>(matched.tokens().begin(), matched.tokens().end()),
+            std::vector<std::int32_t>(fed.begin(), fed.begin() + static_cast<long>(S)));
+  std::filesystem::remove(file);
 }
 
 // With one layer the K/V of a token depend on nothing but the token and its RoPE position, so

@@ -26,6 +26,20 @@ inline constexpr std::size_t kAlignment = 64;
 inline constexpr std::size_t kHugePageBytes = std::size_t{2} << 20;
 inline constexpr std::size_t kHugePageMinBytes = 2 * kHugePageBytes;
 
+/// The alignment of an AlignedBuffer of `bytes` bytes.
+constexpr std::size_t buffer_alignment(std::uint64_t bytes) {
+  return bytes >= kHugePageMinBytes ? kHugePageBytes : kAlignment;
+}
+
+/// Bytes an AlignedBuffer of `bytes` bytes allocates: rounded up to its alignment, what a user
+/// sizing memory must count. Saturates at the largest uint64 (the stores' byte formulas report
+/// that as an overflow).
+constexpr std::uint64_t aligned_allocation_bytes(std::uint64_t bytes) {
+  const std::uint64_t align = buffer_alignment(bytes);
+  const std::uint64_t max = std::numeric_limits<std::uint64_t>::max();
+  return bytes > max - (align - 1) ? max : (bytes + align - 1) / align * align;
+}
+
 /// A fixed-size array of trivially copyable T, aligned to kAlignment. Move-only: copies of
 /// large buffers must be explicit (copy_from), so their cost is visible.
 template <class T>
@@ -37,7 +51,7 @@ class AlignedBuffer {
     KVDECODE_CHECK(size <= std::numeric_limits<std::size_t>::max() / sizeof(T) - kHugePageBytes,
                    "AlignedBuffer: ", size, " elements of ", sizeof(T), " bytes overflow size_t");
     const std::size_t align = alignment(size);
-    const std::size_t bytes = (size * sizeof(T) + align - 1) / align * align;
+    const std::size_t bytes = allocated_bytes(size);
     data_ = static_cast<T*>(::operator new (bytes, std::align_val_t{align}));
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
     // Before the first touch, so the zeroing faults in huge pages; a refusal changes nothing.
@@ -70,6 +84,8 @@ class AlignedBuffer {
   const T* data() const { return data_; }
   std::size_t size() const { return size_; }
   std::size_t bytes() const { return size_ * sizeof(T); }
+  /// Bytes allocated: bytes() rounded up to the alignment (aligned_allocation_bytes).
+  std::size_t allocated_bytes() const { return allocated_bytes(size_); }
   bool empty() const { return size_ == 0; }
   T& operator[](std::size_t i) { return data_[i]; }
   const T& operator[](std::size_t i) const { return data_[i]; }
@@ -78,8 +94,10 @@ class AlignedBuffer {
 
  private:
   /// The alignment of a buffer of `size` elements.
-  static std::size_t alignment(std::size_t size) {
-    return size * sizeof(T) >= kHugePageMinBytes ? kHugePageBytes : kAlignment;
+  static std::size_t alignment(std::size_t size) { return buffer_alignment(size * sizeof(T)); }
+
+  static std::size_t allocated_bytes(std::size_t size) {
+    return static_cast<std::size_t>(aligned_allocation_bytes(size * sizeof(T)));
   }
 
   void release() {

@@ -149,6 +149,10 @@ GenerationStats generate(const Model<T, W>& model, S& cache, Activations<T>& act
   // The whole sequence, for the no-cache mode's recompute; reserved so the loop never grows it.
   std::vector<std::int32_t> sequence;
   if (!options.use_cache) {
+    KVDECODE_CHECK(cache.tokens().size() == cache.size(),
+                   "generate: use_cache = false recomputes the ", cache.size(),
+                   " positions the cache holds, but it keeps the token ids of only the newest ",
+                   cache.tokens().size());
     sequence.reserve(reach);
     const std::span<const std::int32_t> held = cache.tokens();
     sequence.assign(held.begin(), held.end());
@@ -186,7 +190,8 @@ GenerationStats generate(const Model<T, W>& model, S& cache, Activations<T>& act
       recent_next = (recent_next + 1) % last_n;
     }
   };
-  for (const std::int32_t t : cache.tokens().last(std::min(last_n, cache.size()))) remember(t);
+  for (const std::int32_t t : cache.tokens().last(std::min(last_n, cache.tokens().size())))
+    remember(t);
   for (const std::int32_t t : prompt.last(std::min(last_n, prompt.size()))) remember(t);
 
   // Speculation's state and scratch, allocated once per call (empty without speculation).

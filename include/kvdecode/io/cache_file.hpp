@@ -124,7 +124,9 @@ ModelFingerprint model_fingerprint(const Model<T, W>& model) {
 /// A store a cache file can hold (its name and tag are part of every store's description): the
 /// options a file must match (named), a payload writer, and a two-step restore (read_payload
 /// checks and reads into a FileState without touching the store; commit_payload installs it and
-/// cannot fail).
+/// cannot fail). A FileState's saved_tokens() are the ids of its first positions; one that holds
+/// more positions than that (a window store that dropped the ids of old ones) says how many
+/// through saved_positions().
 template <class S>
 concept SavableKvStore = KvStore<S> && requires(const S& cs, S& s, typename S::FileState& state) {
   S::kFileOptionNames.size();
@@ -141,7 +143,7 @@ static_assert(SavableKvStore<ContiguousStore<float>> && SavableKvStore<Int8Store
 namespace detail::cache_file {
 
 inline constexpr std::array<char, 8> kMagic = {'K', 'V', 'D', 'C', 'A', 'C', 'H', 'E'};
-inline constexpr std::uint32_t kVersion = 2;
+inline constexpr std::uint32_t kVersion = 3;
 inline constexpr std::size_t kHeaderBytes = 232;
 inline constexpr std::size_t kMaxOptions = 6;
 inline constexpr std::uint32_t kLittleEndian = 1;
@@ -745,6 +747,8 @@ std::size_t restore_prefix(const ModelFingerprint& model, S& store,
   KVDECODE_CHECK(!prompt.empty(), "restoring a cache for a prompt: the prompt has no tokens");
   typename S::FileState state = read_cache(model, store, file);
   const std::span<const std::int32_t> saved = state.saved_tokens();
+  std::size_t n_saved = saved.size();
+  if constexpr (requires { state.saved_positions(); }) n_saved = state.saved_positions();
   std::size_t common = 0;
   while (common < std::min(saved.size(), prompt.size()) && saved[common] == prompt[common])
     ++common;
@@ -752,18 +756,17 @@ std::size_t restore_prefix(const ModelFingerprint& model, S& store,
     KVDECODE_CHECK(common == std::min(saved.size(), prompt.size()), context(file), ": holds token ",
                    saved[common], " at position ", common, " where the prompt has ", prompt[common],
                    "; it was saved for another prompt");
-    KVDECODE_CHECK(saved.size() <= prompt.size(), context(file), ": holds ", saved.size(),
+    KVDECODE_CHECK(n_saved <= prompt.size(), context(file), ": holds ", n_saved,
                    " tokens, more than the prompt's ", prompt.size());
   }
   const std::size_t keep = std::min(common, prompt.size() - 1);
   if constexpr (requires { state.can_truncate(keep); }) {
-    KVDECODE_CHECK(keep == saved.size() || state.can_truncate(keep), context(file), ": holds ",
-                   saved.size(), " positions of which ", keep, " are kept for the prompt; a ",
-                   S::kName, " store cannot roll back from ", saved.size(), " to ", keep,
-                   " positions");
+    KVDECODE_CHECK(keep == n_saved || state.can_truncate(keep), context(file), ": holds ", n_saved,
+                   " positions of which ", keep, " are kept for the prompt; a ", S::kName,
+                   " store cannot roll back from ", n_saved, " to ", keep, " positions");
   }
   store.commit_payload(state);
-  if (keep < saved.size()) store.truncate(keep);  // checked above: cannot fail
+  if (keep < n_saved) store.truncate(keep);  // checked above: cannot fail
   return keep;
 }
 

@@ -169,8 +169,8 @@ class BlockPool {
   bool prefix_cache_enabled() const { return prefix_cache_; }
   /// Bytes of K and V in one block: 2 × n_layers × n_kv_heads × block_size × head_size × sizeof(T).
   std::size_t block_bytes() const { return 2 * block_elems_ * sizeof(T); }
-  /// Bytes of every block, reserved at construction.
-  std::size_t memory_bytes() const { return keys_.bytes() + values_.bytes(); }
+  /// Bytes of every block as allocated, reserved at construction.
+  std::size_t memory_bytes() const { return keys_.allocated_bytes() + values_.allocated_bytes(); }
 
   /// Blocks on the free list (never written, or released and not cached).
   std::size_t n_free() const { return free_.size(); }

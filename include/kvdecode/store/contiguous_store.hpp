@@ -40,10 +40,14 @@ class ContiguousStore {
     std::size_t capacity = 0;  ///< positions it holds; 0 means cfg.seq_len
   };
 
-  /// 2 × n_layers × n_kv_heads × capacity × head_size × sizeof(T): all of it reserved up front.
+  /// Keys and values, n_layers × n_kv_heads × capacity × head_size × sizeof(T) bytes each as
+  /// allocated, and the token ids: all of it reserved up front.
   static constexpr std::uint64_t memory_bytes_for(const ModelConfig& cfg, const Options& o) {
-    return detail::sat_mul({detail::capacity_or_seq_len(o.capacity, cfg),
-                            detail::KvDims::of(cfg).row_bytes(sizeof(T))});
+    const detail::KvDims d = detail::KvDims::of(cfg);
+    const std::uint64_t cap = detail::capacity_or_seq_len(o.capacity, cfg);
+    const std::uint64_t half = detail::sat_mul({cap, d.heads(), d.head_size, sizeof(T)});
+    return detail::sat_add(
+        {detail::sat_mul({2, aligned_allocation_bytes(half)}), token_id_bytes(cap)});
   }
 
   ContiguousStore() = default;
@@ -72,7 +76,9 @@ class ContiguousStore {
   std::size_t n_layers() const { return n_layers_; }
   std::size_t n_kv_heads() const { return n_kv_heads_; }
   std::size_t head_size() const { return head_size_; }
-  std::size_t memory_bytes() const { return keys_.bytes() + values_.bytes(); }
+  std::size_t memory_bytes() const {
+    return keys_.allocated_bytes() + values_.allocated_bytes() + ledger_.memory_bytes();
+  }
   Options options() const { return {capacity_}; }
   std::size_t max_append() const { return ledger_.room(); }
   /// Every row of [0, end), read in place.

@@ -58,12 +58,17 @@ class Int8Store {
     std::size_t capacity = 0;  ///< positions it holds; 0 means cfg.seq_len
   };
 
-  /// capacity × 2 × n_layers × n_kv_heads × (head_size + sizeof(float)): an int8 code per
-  /// element and an f32 scale per row of K and of V, all reserved up front.
+  /// An int8 code per element and an f32 scale per row of K and of V, capacity × n_layers ×
+  /// n_kv_heads × head_size and capacity × n_layers × n_kv_heads × sizeof(float) bytes per
+  /// buffer as allocated, and the token ids: all reserved up front.
   static constexpr std::uint64_t memory_bytes_for(const ModelConfig& cfg, const Options& o) {
     const detail::KvDims d = detail::KvDims::of(cfg);
-    return detail::sat_mul({detail::capacity_or_seq_len(o.capacity, cfg), 2, d.heads(),
-                            d.head_size * sizeof(std::int8_t) + sizeof(float)});
+    const std::uint64_t cap = detail::capacity_or_seq_len(o.capacity, cfg);
+    const std::uint64_t codes = detail::sat_mul({cap, d.heads(), d.head_size, sizeof(std::int8_t)});
+    const std::uint64_t scales = detail::sat_mul({cap, d.heads(), sizeof(float)});
+    return detail::sat_add({detail::sat_mul({2, aligned_allocation_bytes(codes)}),
+                            detail::sat_mul({2, aligned_allocation_bytes(scales)}),
+                            token_id_bytes(cap)});
   }
 
   Int8Store() = default;
@@ -92,7 +97,8 @@ class Int8Store {
   std::size_t n_kv_heads() const { return n_kv_heads_; }
   std::size_t head_size() const { return head_size_; }
   std::size_t memory_bytes() const {
-    return keys_.bytes() + values_.bytes() + key_scales_.bytes() + value_scales_.bytes();
+    return keys_.allocated_bytes() + values_.allocated_bytes() + key_scales_.allocated_bytes() +
+           value_scales_.allocated_bytes() + ledger_.memory_bytes();
   }
   Options options() const { return {capacity_}; }
   std::size_t max_append() const { return ledger_.room(); }

@@ -52,8 +52,8 @@ struct KvBlockSinkArchetype {
 ///   records for it.
 /// - `Options`: what it is built from besides the config (capacity 0 = cfg.seq_len);
 ///   `S::memory_bytes_for(cfg, options)` is exactly the memory_bytes() of a store built so,
-///   every buffer it owns (its token-id list aside), saturating at 2^64 - 1; `options()` gives
-///   them back.
+///   every byte it allocates (each buffer as allocated, its token ids included), saturating at
+///   2^64 - 1; `options()` gives them back.
 /// - `max_append()`: the most positions one begin_append accepts now (generate() feeds longer
 ///   inputs in pieces).
 /// - `read_bytes(end)`: the bytes attention reads from the store, all layers and kv heads, to
@@ -87,7 +87,9 @@ concept KvStore = requires(S& s, const S& cs, std::size_t i, const typename S::S
   /// Elements of caller scratch for_each_block needs (0 when it reads in place).
   { cs.block_scratch_size() } -> std::same_as<std::size_t>;
   s.begin_append(tokens);
-  { cs.tokens() } -> std::same_as<std::span<const std::int32_t>>;  // committed token ids
+  // The committed token ids: all of them, or the newest ones of a store whose memory does not
+  // grow with the length (a window store past S + 2R positions).
+  { cs.tokens() } -> std::same_as<std::span<const std::int32_t>>;
   s.write(i, i, row, row);  // (layer, pending index, k [kv_dim], v [kv_dim])
   s.commit_append();
   { s.cancel_append() }

@@ -73,30 +73,34 @@ class LowBitStore {
     bool rotate = false;                      ///< quantize rotated rows (see the class comment)
   };
 
-  /// Every byte a store of these options owns: per (layer, kv head) and full group, the codes
-  /// of K and V (2 × G × head_size × Bits / 8), an f16 (min, step) pair per key channel and one
-  /// per value row; the ring of (R/G + 1) × G rows of K and V in T and its cancel copy; the
-  /// work rows (2 × G × head_size + 2 × head_size + 2 × G elements of T), the sign vector when
-  /// rotating, the token ids and the per-layer counters. capacity / G groups can be quantized;
-  /// a trailing partial group stays in the ring.
+  /// Every byte a store of these options owns, each buffer as allocated: per (layer, kv head)
+  /// and full group, the codes of K and of V (G × head_size × Bits / 8 each), an f16 (min,
+  /// step) pair per key channel and one per value row; the ring of (R/G + 1) × G rows of K and
+  /// V in T and its cancel copy; the work rows (2 × G × head_size + 2 × head_size + 2 × G
+  /// elements of T), the sign vector when rotating, the token ids and the per-layer counters.
+  /// capacity / G groups can be quantized; a trailing partial group stays in the ring.
   static constexpr std::uint64_t memory_bytes_for(const ModelConfig& cfg, const Options& o) {
     check_options(o.group, o.residual);
     const detail::KvDims d = detail::KvDims::of(cfg);
     const std::uint64_t g = o.group;
     const std::uint64_t cap = detail::capacity_or_seq_len(o.capacity, cfg);
-    const std::uint64_t groups = cap / g;
-    const std::uint64_t group_bytes =
-        detail::sat_add({detail::sat_mul({2, g, d.head_size}) / kCodesPerByte,
-                         detail::sat_mul({4, d.head_size}), detail::sat_mul({4, g})});
-    const std::uint64_t ring_rows = detail::sat_mul({o.residual / g + 1, g});
+    const std::uint64_t group_rows = detail::sat_mul({d.heads(), cap / g});  // groups of all heads
+    const std::uint64_t codes = detail::sat_mul({group_rows, g, d.head_size}) / kCodesPerByte;
+    // One f16 buffer of the mins, one of the steps: per key channel, and per value row.
+    const std::uint64_t key_ranges = detail::sat_mul({group_rows, d.head_size, 2});
+    const std::uint64_t value_ranges = detail::sat_mul({group_rows, g, 2});
+    const std::uint64_t ring =
+        detail::sat_mul({d.heads(), o.residual / g + 1, g, d.head_size, sizeof(T)});
+    const std::uint64_t work =
+        detail::sat_mul({detail::sat_add({detail::sat_mul({2, g, d.head_size}),
+                                          detail::sat_mul({2, d.head_size}), 2 * g}),
+                         sizeof(T)});
     return detail::sat_add(
-        {detail::sat_mul({d.heads(), groups, group_bytes}),
-         detail::sat_mul({4, d.heads(), ring_rows, d.head_size, sizeof(T)}),
-         detail::sat_mul({detail::sat_add({detail::sat_mul({2, g, d.head_size}),
-                                           detail::sat_mul({2, d.head_size}), 2 * g}),
-                          sizeof(T)}),
-         o.rotate ? detail::sat_mul({d.head_size, sizeof(float)}) : 0,
-         detail::sat_mul({cap, sizeof(std::int32_t)}),
+        {detail::sat_mul({2, aligned_allocation_bytes(codes)}),
+         detail::sat_mul({2, aligned_allocation_bytes(key_ranges)}),
+         detail::sat_mul({2, aligned_allocation_bytes(value_ranges)}),
+         detail::sat_mul({4, aligned_allocation_bytes(ring)}), aligned_allocation_bytes(work),
+         o.rotate ? aligned_allocation_bytes(d.head_size * sizeof(float)) : 0, token_id_bytes(cap),
          detail::sat_mul({2, d.layers, sizeof(std::size_t)})});
   }
 
@@ -165,17 +169,19 @@ class LowBitStore {
   bool rotates() const { return rotate_; }
   /// Groups quantized among the committed positions.
   std::size_t quantized_groups() const { return quantized_; }
-  /// The fixed full-precision part: the ring and its cancel copy,
-  /// 4 × n_layers × n_kv_heads × (R/G + 1) × G × head_size × sizeof(T).
+  /// The fixed full-precision part: the ring and its cancel copy, four buffers of
+  /// n_layers × n_kv_heads × (R/G + 1) × G × head_size × sizeof(T) bytes as allocated.
   std::size_t residual_bytes() const {
-    return ring_keys_.bytes() + ring_values_.bytes() + saved_keys_.bytes() + saved_values_.bytes();
+    return ring_keys_.allocated_bytes() + ring_values_.allocated_bytes() +
+           saved_keys_.allocated_bytes() + saved_values_.allocated_bytes();
   }
   /// Every byte owned: codes, (min, step) pairs, the ring, work rows, signs, token ids and
   /// counters.
   std::size_t memory_bytes() const {
-    return key_codes_.bytes() + value_codes_.bytes() + key_min_.bytes() + key_step_.bytes() +
-           value_min_.bytes() + value_step_.bytes() + residual_bytes() + work_.bytes() +
-           signs_.bytes() + capacity_ * sizeof(std::int32_t) +  // the ledger's reserved token ids
+    return key_codes_.allocated_bytes() + value_codes_.allocated_bytes() +
+           key_min_.allocated_bytes() + key_step_.allocated_bytes() + value_min_.allocated_bytes() +
+           value_step_.allocated_bytes() + residual_bytes() + work_.allocated_bytes() +
+           signs_.allocated_bytes() + ledger_.memory_bytes() +
            (written_.size() + quantized_layer_.size()) * sizeof(std::size_t);
   }
   Options options() const { return {capacity_, group_, residual_, rotate_}; }

@@ -15,11 +15,16 @@
 namespace kvdecode {
 
 /// KV-cache sizing for one config and store S built with `options` (whose capacity the planner
-/// sets). kv_bytes(T) is exactly what memory_bytes() of a store of capacity T reports: the K/V
-/// data, scales and any fixed part it reserves up front (the 4-bit store's staging, the
-/// window's ring). The int32 token-id list every store keeps (4 bytes per position) is
-/// bookkeeping and not part of it. For PagedStore the figure is one sequence's blocks without
-/// prefix sharing: shared blocks only make it smaller. Every size is 64-bit.
+/// sets). kv_bytes(T) is exactly what memory_bytes() of a store of capacity T reports: every
+/// byte it allocates, the K/V data, scales, any fixed part it reserves up front (the 4-bit
+/// store's staging, the window's ring) and its token ids, each buffer rounded up to its
+/// alignment (aligned_allocation_bytes: 64 B, or 2 MiB for a buffer of 4 MiB or more). For
+/// PagedStore the figure is one sequence's blocks without prefix sharing: shared blocks only make
+/// it smaller. Every size is 64-bit.
+///
+/// The per-position and fixed figures are read off the formula at T = kSpan and 2 kSpan, where
+/// every buffer that grows with T is a whole number of 2 MiB (kSpan / G too, for any
+/// power-of-two group or block size G up to 2^16), so alignment adds nothing to the slope.
 template <KvStore S>
 class MemoryPlanner {
  public:
@@ -36,27 +41,25 @@ class MemoryPlanner {
 
   constexpr const Options& options() const { return options_; }
 
-  /// Bytes each further cached position adds, averaged over 2^16 positions (a whole number of
-  /// 4-bit key groups and paged blocks for any power-of-two group or block size); 0 for a
-  /// window, whose memory does not grow.
+  /// Bytes each further cached position adds, averaged over kSpan positions; 0 for a window,
+  /// whose memory does not grow.
   constexpr double bytes_per_position() const {
-    constexpr std::uint64_t kSpan = std::uint64_t{1} << 16;
     return static_cast<double>(bytes(2 * kSpan) - bytes(kSpan)) / static_cast<double>(kSpan);
   }
 
   /// Bytes one store reserves whatever its capacity (the 4-bit staging; the window's ring):
-  /// f(T) - T × bytes_per_position() at T = 2^16, in whole numbers as 2 f(T) - f(2T).
+  /// f(T) - T × bytes_per_position() at T = kSpan, in whole numbers as 2 f(T) - f(2T).
   constexpr std::uint64_t fixed_bytes() const {
-    constexpr std::uint64_t kSpan = std::uint64_t{1} << 16;
-    return 2 * bytes(kSpan) - bytes(2 * kSpan);
+    const std::uint64_t twice = detail::sat_mul({2, bytes(kSpan)}), at_2t = bytes(2 * kSpan);
+    return twice > at_2t ? twice - at_2t : 0;
   }
 
   /// Bytes `batch` stores of `context` positions each reserve beyond context ×
   /// bytes_per_position() and fixed_bytes(): for a paged sequence the rows of its last block
-  /// past its end (up to block_size − 1 positions each, what a larger block costs); 0 for a
-  /// store sized to the position.
+  /// past its end (up to block_size − 1 positions each, what a larger block costs), and for
+  /// every store its buffers' rounding to their alignment; 0 for a store sized to the position
+  /// whose buffers are whole multiples of it.
   constexpr std::uint64_t padding_bytes(std::uint64_t context, std::uint64_t batch = 1) const {
-    constexpr std::uint64_t kSpan = std::uint64_t{1} << 16;
     const std::uint64_t per_span = bytes(2 * kSpan) - bytes(kSpan);  // kSpan positions' bytes
     const std::uint64_t used =
         detail::sat_add({detail::sat_mul({per_span / kSpan, context}),
@@ -94,6 +97,10 @@ class MemoryPlanner {
   }
 
  private:
+  // 2^37 positions: 2^21 (2 MiB) times 2^16, the largest group or block size the figures above
+  // are exact for; its formula fits 64 bits for up to 2^26 bytes per position.
+  static constexpr std::uint64_t kSpan = std::uint64_t{1} << 37;
+
   static constexpr void checked(std::int64_t value, const char* name) {
     KVDECODE_CHECK(value > 0, "MemoryPlanner: ModelConfig::", name, " must be positive, got ",
                    value);

@@ -14,10 +14,12 @@
 #include <utility>
 #include <vector>
 
+#include "kvdecode/aligned_buffer.hpp"
 #include "kvdecode/detail/store_sizes.hpp"
 #include "kvdecode/error.hpp"
 #include "kvdecode/store/block_pool.hpp"
 #include "kvdecode/store/kv_store.hpp"
+#include "kvdecode/store/sequence_ledger.hpp"
 
 namespace kvdecode {
 
@@ -64,14 +66,18 @@ class PagedStore {
   }
 
   /// The blocks of one sequence of `capacity` positions held alone (shared blocks only make a
-  /// sequence's share smaller): ceil(capacity / block_size) × block_size positions of K and V.
+  /// sequence's share smaller), ceil(capacity / block_size) × block_size positions of K and of
+  /// V as its own pool allocates them, and the sequence's token ids.
   static constexpr std::uint64_t memory_bytes_for(const ModelConfig& cfg, const Options& o) {
     KVDECODE_CHECK(o.block_size >= 1, "PagedStore: block_size must be at least 1, got ",
                    o.block_size);
+    const detail::KvDims d = detail::KvDims::of(cfg);
     const std::uint64_t bs = o.block_size;
     const std::uint64_t cap = detail::capacity_or_seq_len(o.capacity, cfg);
     const std::uint64_t blocks = cap / bs + (cap % bs != 0 ? 1 : 0);
-    return detail::sat_mul({blocks, bs, detail::KvDims::of(cfg).row_bytes(sizeof(T))});
+    const std::uint64_t half = detail::sat_mul({blocks, bs, d.heads(), d.head_size, sizeof(T)});
+    return detail::sat_add(
+        {detail::sat_mul({2, aligned_allocation_bytes(half)}), token_id_bytes(cap)});
   }
 
   PagedStore() = default;
@@ -150,10 +156,11 @@ class PagedStore {
   std::size_t n_kv_heads() const { return pool_ == nullptr ? 0 : pool_->n_kv_heads(); }
   std::size_t head_size() const { return pool_ == nullptr ? 0 : pool_->head_size(); }
   /// Bytes of the blocks this sequence holds (shared blocks count in full for each holder), or
-  /// of its own pool when it has one (all reserved up front).
+  /// of its own pool's blocks when it has one (all reserved up front), and of its token ids.
   std::size_t memory_bytes() const {
-    if (own_pool_ != nullptr) return own_pool_->memory_bytes();
-    return pool_ == nullptr ? 0 : table_.size() * pool_->block_bytes();
+    const std::size_t ids = static_cast<std::size_t>(token_id_bytes(tokens_.capacity()));
+    if (own_pool_ != nullptr) return own_pool_->memory_bytes() + ids;
+    return pool_ == nullptr ? 0 : table_.size() * pool_->block_bytes() + ids;
   }
   Options options() const {
     return pool_ == nullptr ? Options{} : Options{pool_->block_size(), pool_->capacity()};

@@ -41,12 +41,12 @@ struct WindowOptions {
   /// would not wrap may be longer (a prompt prefilled at once); max_append() says how long.
   std::size_t max_chunk = 1;
   /// capacity(): the longest sequence (cache indices) the store accepts. 0 means cfg.seq_len;
-  /// kUnboundedPositions means no limit (streaming), the token ids then growing as they come.
+  /// kUnboundedPositions means no limit (streaming). Memory does not depend on it.
   std::size_t capacity = 0;
 };
 
-/// WindowOptions::capacity for a store with no length limit: its K and V stay bounded,
-/// and only the token ids grow (4 bytes a position, in a buffer that doubles when full).
+/// WindowOptions::capacity for a store with no length limit: its memory stays what it was built
+/// with (WindowStore::memory_bytes_for), however long the sequence.
 inline constexpr std::size_t kUnboundedPositions = static_cast<std::size_t>(-1);
 
 /// Keys are stored after RoPE, as every other store, in their ring slot:
@@ -82,17 +82,25 @@ class WindowStore {
 
   using Options = WindowOptions;
 
-  /// Every byte a store of these options reserves: 2 × n_layers × kv_dim × (S + R) × sizeof(T),
-  /// plus the [W][head_size/2] cos and sin tables under kStreaming. Independent of the length.
+  /// Every byte a store of these options owns, each buffer as allocated: the sinks' and the
+  /// ring's keys and values (n_layers × n_kv_heads × S, resp. R, × head_size × sizeof(T) bytes
+  /// each), the [W][head_size/2] cos and sin tables under kStreaming, the token ids and the
+  /// per-layer row counters. Independent of the length.
   static constexpr std::uint64_t memory_bytes_for(const ModelConfig& cfg, const Options& o) {
     KVDECODE_CHECK(o.window >= 1 && o.max_chunk >= 1, "WindowStore: window ", o.window,
                    " and max_chunk ", o.max_chunk, ", expected both at least 1");
     const detail::KvDims d = detail::KvDims::of(cfg);
-    const std::uint64_t rows = detail::sat_add({o.sinks, o.window, o.max_chunk}) - 1;
-    const std::uint64_t table =
-        o.policy == WindowPolicy::kStreaming ? detail::sat_mul({o.window, d.head_size}) : 0;
-    return detail::sat_mul(
-        {detail::sat_add({detail::sat_mul({2, d.heads(), d.head_size, rows}), table}), sizeof(T)});
+    const std::uint64_t ring = detail::sat_add({o.window, o.max_chunk}) - 1;
+    const std::uint64_t sink_bytes = detail::sat_mul({d.heads(), o.sinks, d.head_size, sizeof(T)});
+    const std::uint64_t ring_bytes = detail::sat_mul({d.heads(), ring, d.head_size, sizeof(T)});
+    const std::uint64_t table = o.policy == WindowPolicy::kStreaming
+                                    ? detail::sat_mul({o.window, d.head_size / 2, sizeof(T)})
+                                    : 0;
+    return detail::sat_add({detail::sat_mul({2, aligned_allocation_bytes(sink_bytes)}),
+                            detail::sat_mul({2, aligned_allocation_bytes(ring_bytes)}),
+                            detail::sat_mul({2, aligned_allocation_bytes(table)}),
+                            SequenceLedger::memory_bytes_for(o.sinks, ring, o.max_chunk),
+                            detail::sat_mul({d.layers, sizeof(std::size_t)})});
   }
 
   WindowStore() = default;
@@ -143,10 +151,9 @@ class WindowStore {
       for (std::size_t i = 0; i < rot_sin_.size(); ++i) rot_sin_[i] = -rot_sin_[i];
     }
     written_.assign(n_layers_, 0);
-    // A bounded store reserves every id now (no allocation while decoding); an unbounded one
-    // starts with seq_len and grows.
-    ledger_ = SequenceLedger("WindowStore", capacity_,
-                             capacity_ == kUnboundedPositions ? seq_len : capacity_);
+    // The sinks' ids and those of the newest R positions, plus max_chunk for a rollback, in
+    // S + 2(R + max_chunk) ids reserved now: none allocated while decoding, whatever the length.
+    ledger_ = SequenceLedger::keeping("WindowStore", capacity_, sinks_, ring_, max_chunk_);
     oldest_ = sinks_;
   }
 
@@ -160,11 +167,12 @@ class WindowStore {
   std::size_t sinks() const { return sinks_; }
   std::size_t max_chunk() const { return max_chunk_; }
   WindowPolicy policy() const { return policy_; }
-  /// K/V rows and rotation tables; the token ids (int32, reserved for capacity() or grown with
-  /// the length) aside, as every store's.
+  /// Every byte owned: K/V rows, rotation tables, token ids and row counters.
   std::size_t memory_bytes() const {
-    return sink_keys_.bytes() + sink_values_.bytes() + ring_keys_.bytes() + ring_values_.bytes() +
-           rot_cos_.bytes() + rot_sin_.bytes();
+    return sink_keys_.allocated_bytes() + sink_values_.allocated_bytes() +
+           ring_keys_.allocated_bytes() + ring_values_.allocated_bytes() +
+           rot_cos_.allocated_bytes() + rot_sin_.allocated_bytes() + ledger_.memory_bytes() +
+           written_.size() * sizeof(std::size_t);
   }
   Options options() const { return {window_, sinks_, policy_, max_chunk_, capacity_}; }
   /// The resident rows of [0, end) that for_each_block hands attention: the sinks and the ring
@@ -235,7 +243,11 @@ class WindowStore {
     ledger_.begin_append(tokens);
   }
 
+  /// The committed token ids while the store holds at most S + R positions, then those of the
+  /// newest R: the store's memory does not grow with the sequence.
   std::span<const std::int32_t> tokens() const { return ledger_.tokens(); }
+  /// Token ids no longer held, of cache indices [S, S + dropped_tokens()).
+  std::size_t dropped_tokens() const { return ledger_.dropped(); }
 
   /// Stores pending position i of a layer (k rotated at rope_position, v; [kv_dim] each). Rows
   /// arrive in order per layer; index x overwrites the ring slot of x - R.
@@ -350,14 +362,18 @@ class WindowStore {
     return {window_, sinks_, policy_ == WindowPolicy::kStreaming ? 1u : 0u, max_chunk_};
   }
 
-  /// Token ids [n], the oldest resident non-sink index (u64), then per (layer, kv head) the
-  /// sink keys and values [min(S, n)][head_size] each and the ring's keys and values of cache
-  /// indices [lo, n) in index order, lo = max(S, oldest, n - R), [n - lo][head_size] each.
+  /// The number d of token ids dropped (u64) and the ids held [n - d], of cache indices
+  /// [0, min(S, n)) and [S + d, n); the oldest resident non-sink index (u64), then per (layer,
+  /// kv head) the sink keys and values [min(S, n)][head_size] each and the ring's keys and
+  /// values of cache indices [lo, n) in index order, lo = max(S, oldest, n - R), [n - lo]
+  /// [head_size] each.
   template <class Out>
   void save_payload(Out& out) const {
     const std::size_t n = ledger_.size();
     const std::size_t ns = std::min(sinks_, n), lo = resident_from(n, oldest_);
-    out.write(ledger_.tokens().data(), n);
+    const std::span<const std::int32_t> held = ledger_.held_tokens();
+    out.u64(ledger_.dropped());
+    out.write(held.data(), held.size());
     out.u64(oldest_);
     for (std::size_t lh = 0; lh < n_layers_ * n_kv_heads_; ++lh) {
       out.write(sink_keys_.data() + lh * sinks_ * head_size_, ns * head_size_);
@@ -370,16 +386,25 @@ class WindowStore {
 
   /// A payload read by read_payload(), waiting for commit_payload().
   struct FileState {
-    std::vector<std::int32_t> tokens;       // [n]
+    std::vector<std::int32_t> tokens;       // [n - dropped] of [0, min(S, n)), [S + dropped, n)
+    std::size_t dropped = 0;                // ids not saved, of [S, S + dropped)
+    std::size_t ring = 0;                   // the store's R
     std::size_t oldest = 0, lo = 0;         // oldest resident index; first ring index saved
     std::size_t sinks = 0, window = 0;      // the store's S and W
     std::vector<T> sink_keys, sink_values;  // [n_layers][n_kv_heads][min(S, n)][head_size]
     std::vector<T> ring_keys, ring_values;  // [n_layers][n_kv_heads][n - lo][head_size]
-    std::span<const std::int32_t> saved_tokens() const { return tokens; }
-    /// Whether truncate(n) would succeed once committed: the condition truncate() checks.
+    /// The ids of positions [0, k) for the largest k the file holds them all of: every one
+    /// unless some were dropped, else the sinks'.
+    std::span<const std::int32_t> saved_tokens() const {
+      return std::span<const std::int32_t>(tokens).first(dropped == 0 ? tokens.size() : sinks);
+    }
+    /// The positions saved, n.
+    std::size_t saved_positions() const { return tokens.size() + dropped; }
+    /// Whether truncate(n) would succeed once committed: the conditions truncate() checks.
     bool can_truncate(std::size_t n) const {
       const std::size_t needed = std::max(sinks, n + 1 > window ? n + 1 - window : 0);
-      return n <= tokens.size() && (needed >= n || oldest <= needed);
+      return n <= saved_positions() && (needed >= n || oldest <= needed) &&
+             (dropped == 0 || n <= sinks || n >= sinks + dropped + ring);
     }
   };
 
@@ -390,15 +415,30 @@ class WindowStore {
     const auto n = static_cast<std::size_t>(in.n_tokens());
     const std::size_t heads = n_layers_ * n_kv_heads_, hs = head_size_;
     FileState s;
-    s.tokens = in.tokens(n, "token ids");
+    // What the store's ledger holds: at most S + 2(R + max_chunk) ids; once it dropped some,
+    // those of the sinks and of R newest positions at least.
+    const std::uint64_t dropped = in.u64("dropped token ids");
+    const std::size_t most = sinks_ + 2 * (ring_ + max_chunk_);
+    KVDECODE_CHECK(n - std::min<std::uint64_t>(n, dropped) <= most &&
+                       (dropped == 0 || (n >= sinks_ + ring_ && dropped <= n - sinks_ - ring_)),
+                   in.context(), ": ", dropped, " dropped token ids of ", n,
+                   " positions; a window store holds the ids of its ", sinks_, " sinks and of ",
+                   ring_, " to ", most - sinks_, " newest positions");
+    s.dropped = static_cast<std::size_t>(dropped);
+    s.tokens = in.tokens(n - s.dropped, "token ids");
     const std::uint64_t oldest = in.u64("oldest resident index");
     KVDECODE_CHECK(oldest >= sinks_ && oldest <= std::max(sinks_, n), in.context(),
                    ": oldest resident index ", oldest, " lies outside [S, max(S, n)] = [", sinks_,
                    ", ", std::max(sinks_, n), "]");
+    // Rollback reaches back to index oldest + W - 1, whose newest R ids must be held.
+    KVDECODE_CHECK(s.dropped == 0 || sinks_ + s.dropped + max_chunk_ <= oldest, in.context(),
+                   ": the ids of cache indices up to ", sinks_ + s.dropped,
+                   " were dropped, within max_chunk of the oldest resident index ", oldest);
     s.oldest = static_cast<std::size_t>(oldest);
     s.lo = resident_from(n, s.oldest);
     s.sinks = sinks_;
     s.window = window_;
+    s.ring = ring_;
     const std::size_t ns = std::min(sinks_, n), nr = n - std::min(n, s.lo);
     in.alloc(s.sink_keys, heads * ns * hs, "sink keys");
     in.alloc(s.sink_values, s.sink_keys.size(), "sink values");
@@ -415,7 +455,7 @@ class WindowStore {
 
   /// Replaces the contents with a read payload; cannot fail.
   void commit_payload(FileState& s) noexcept {
-    const std::size_t n = s.tokens.size(), hs = head_size_;
+    const std::size_t n = s.saved_positions(), hs = head_size_;
     const std::size_t ns = std::min(sinks_, n), nr = n - std::min(n, s.lo);
     for (std::size_t lh = 0; lh < n_layers_ * n_kv_heads_; ++lh) {
       std::copy_n(s.sink_keys.data() + lh * ns * hs, ns * hs, sink_keys_.data() + lh * sinks_ * hs);
@@ -427,7 +467,7 @@ class WindowStore {
         std::copy_n(s.ring_values.data() + (lh * nr + r) * hs, hs, ring_values_.data() + at);
       }
     }
-    ledger_.restore(s.tokens);
+    ledger_.restore(s.tokens, s.dropped);
     oldest_ = s.oldest;
     std::fill(written_.begin(), written_.end(), ledger_.size());
   }
@@ -473,9 +513,9 @@ class WindowStore {
   std::size_t max_chunk_ = 1;
   std::size_t capacity_ = 0;
   RopeStyle style_ = RopeStyle::kAdjacentPairs;
-  std::size_t ring_ = 0;    // R = W - 1 + max_chunk slots per (layer, kv head)
-  SequenceLedger ledger_;   // size, pending append, token ids [capacity, or seq_len and growing]
-  std::size_t oldest_ = 0;  // lowest non-sink index whose slot still holds it (≥ S)
+  std::size_t ring_ = 0;              // R = W - 1 + max_chunk slots per (layer, kv head)
+  SequenceLedger ledger_;             // size, pending append, token ids [S + 2(R + max_chunk)]
+  std::size_t oldest_ = 0;            // lowest non-sink index whose slot still holds it (≥ S)
   AlignedBuffer<T> sink_keys_;        // [n_layers][n_kv_heads][S][head_size] after RoPE
   AlignedBuffer<T> sink_values_;      // [n_layers][n_kv_heads][S][head_size]
   AlignedBuffer<T> ring_keys_;        // [n_layers][n_kv_heads][R][head_size] after RoPE at p_w(x)
