@@ -18,6 +18,7 @@
 #include "kvdecode/detail/linear.hpp"
 #include "kvdecode/detail/ops.hpp"
 #include "kvdecode/detail/row_groups.hpp"
+#include "kvdecode/detail/swiglu.hpp"
 #include "kvdecode/error.hpp"
 #include "kvdecode/model/activations.hpp"
 #include "kvdecode/model/amx_panels.hpp"
@@ -428,9 +429,9 @@ class Model {
     add_into(act.x.data(), act.xb.data(), n * dim);
   }
 
-  /// Below this many SwiGLU elements (a decode step's hidden_dim) the caller runs them alone:
-  /// waking the pool would cost about as much as the ~2 ns each takes.
-  static constexpr std::size_t kMinParallelSwiglu = std::size_t{1} << 14;
+  /// Below this many SwiGLU elements (a decode step's hidden_dim, a small batch's) the caller
+  /// runs them alone: waking the pool (~1-2 µs) would cost more than it shares out.
+  static constexpr std::size_t kMinParallelSwiglu = std::size_t{1} << 16;
 
   /// x += w2 · (silu(w1 · norm(x)) ⊙ w3 · norm(x)) for the n rows of layer l (SwiGLU).
   void ffn_block(std::size_t l, std::size_t n, Activations<T>& act, Order order) const {
@@ -443,13 +444,17 @@ class Model {
     linear_group({{act.hb.data(), lw.w1.data(), hidden, amx_.get(l, &AmxLayerPanels::w1)},
                   {act.hb2.data(), lw.w3.data(), hidden, amx_.get(l, &AmxLayerPanels::w3)}},
                  act.xb.data(), n, dim, act, order);
-    // SwiGLU's exp is scalar libm: over a chunk it would be the longest serial stretch of the
-    // step, so a chunk's rows share it out on the pool (the same values on any split).
+    // A chunk's gates are shared out on the pool (the same values on any split).
     const std::size_t count = n * hidden;
+    const KernelSet ks = active_kernel_set();
     parallel_run(count >= kMinParallelSwiglu ? act.pool : nullptr,
                  [&](std::size_t t, std::size_t nt) {
                    const auto [i0, i1] = ThreadPool::share(count, nt, t, 16);
-                   detail::swiglu(act.hb.data() + i0, act.hb2.data() + i0, i1 - i0);
+                   if constexpr (std::is_same_v<T, float>) {
+                     detail::swiglu(ks, act.hb.data() + i0, act.hb2.data() + i0, i1 - i0);
+                   } else {
+                     detail::swiglu(act.hb.data() + i0, act.hb2.data() + i0, i1 - i0);
+                   }
                  });
     linear_group({{act.xb.data(), lw.w2.data(), dim, amx_.get(l, &AmxLayerPanels::w2)}},
                  act.hb.data(), n, hidden, act, order);
