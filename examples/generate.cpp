@@ -744,8 +744,12 @@ int generate_with(const Run& run, const kvdecode::Model<float, W>& model, S& cac
                sp.end_id);
   const bool amx =
       std::is_same_v<W, bf16> && active_kernel_set() == KernelSet::kAvx512Bf16 && amx_enabled();
+  const std::string panels = model.amx_panel_bytes() > 0
+                                 ? " (" + std::to_string(model.amx_panel_bytes()) +
+                                       " bytes of weight panels re-laid on load)"
+                                 : "";
   std::fprintf(out, "kernels            %s%s\n", active_kernel_set_name(),
-               amx ? ", prefill on AMX tiles" : "");
+               amx ? (", prefill on AMX tiles" + panels).c_str() : "");
   std::fprintf(out, "KV store           %s, %zu bytes reserved for %s\n", describe(cache).c_str(),
                cache.memory_bytes(), reserved_for(cache).c_str());
   {

@@ -2,8 +2,8 @@
 // GEMV (f32, bf16), the few-token GEMMs (gemm_few also against each token's GEMV; gemm_lanes of
 // batched steps also against its fma chain and the same token alone), the packed GEMM and its
 // panel pack, attention's softmax exp, the projection scheduler (linear_group) at 1/2/3 threads,
-// the int8 and 4-bit dequantization, the kernel-set choice, the thread pool, bf16 rounding and
-// threaded attention. Odd sizes (columns 1..70 and 95, 129, 295; rows not multiples of any
+// SwiGLU, the int8 and 4-bit dequantization, the kernel-set choice, the thread pool, bf16 rounding
+// and threaded attention. Odd sizes (columns 1..70 and 95, 129, 295; rows not multiples of any
 // block; 1..16 tokens) cover every tail path. A set the CPU lacks is skipped by name.
 //
 // f32 bound: a sum of n products computed in f32 in any order is within γ_n·Σ|w_i x_i| of the
@@ -29,6 +29,7 @@
 #include "kvdecode/detail/quantize.hpp"
 #include "kvdecode/detail/rotation.hpp"
 #include "kvdecode/detail/softmax_exp.hpp"
+#include "kvdecode/detail/swiglu.hpp"
 #include "kvdecode/kvdecode.hpp"
 #include "test_util.hpp"
 
@@ -338,6 +339,41 @@ TEST_P(KernelSetTest, SoftmaxExpMatchesExpInDouble) {
               (static_cast<double>(cols) + 4) * 0x1p-24 * ref_sum)
         << cols << " cols";
   }
+}
+
+// swiglu against a / (1 + exp(−a)) · b in double: the exp within 4 · 2^-24 relative (the bound
+// above), which 1 + e carries at most unchanged, and one rounding each for the add, the divide and
+// the multiply: within 7 · 2^-24 relative. Below a = −87 the vector sets' exp is clamped (libm's
+// overflows to inf), so there the result is only required to be negligible: below 1e-35 · |b|.
+// Lengths cover every vector tail; a NaN gate stays NaN.
+TEST_P(KernelSetTest, SwigluMatchesFormulaInDouble) {
+  detail::SplitMix64 rng(13);
+  for (const std::size_t count : {1, 7, 8, 9, 15, 16, 17, 33, 100, 1000}) {
+    std::vector<float> a(count), b(count);
+    for (std::size_t i = 0; i < count; ++i) {
+      a[i] = static_cast<float>(30.0 * rng.symmetric());
+      b[i] = static_cast<float>(4.0 * rng.symmetric());
+    }
+    const float specials[] = {0.0f, -0.0f, 87.5f, 100.0f, -86.5f, -88.5f, -100.0f, 1e-30f};
+    for (std::size_t i = 0; i < std::size(specials) && i < count; ++i)
+      a[(i * 7) % count] = specials[i];
+    const std::vector<float> in = a;
+    detail::swiglu(ks(), a.data(), b.data(), count);
+    for (std::size_t i = 0; i < count; ++i) {
+      const double g = in[i], up = b[i];
+      const double ref = g / (1.0 + std::exp(-g)) * up;
+      if (g < -87.0) {
+        ASSERT_LE(std::abs(static_cast<double>(a[i])), 1e-35 * std::abs(up)) << "a = " << g;
+      } else {
+        ASSERT_LE(std::abs(a[i] - ref), 7 * 0x1p-24 * std::abs(ref))
+            << count << " elements, a = " << g << ", b = " << up;
+      }
+    }
+  }
+  std::vector<float> a = {1.0f, std::numeric_limits<float>::quiet_NaN(), -1.0f}, b(3, 1.0f);
+  detail::swiglu(ks(), a.data(), b.data(), a.size());
+  EXPECT_TRUE(std::isnan(a[1]));
+  EXPECT_FALSE(std::isnan(a[0]) || std::isnan(a[2]));
 }
 
 TEST_P(KernelSetTest, SoftmaxExpPassesNaN) {

@@ -27,6 +27,9 @@ struct Projection {
   T* y;
   const W* w;
   std::size_t out;
+  // [amx_packed_size(out, in)] w re-laid once for the AMX tiles (pack_weights_amx), or null:
+  // the AMX path then re-lays each panel per call.
+  const bf16* amx_panels = nullptr;
 };
 
 /// The scratch a multi-token projection needs (none for one token).
@@ -118,7 +121,8 @@ void linear_group_blocks(std::initializer_list<Projection<T, W>> ps, const T* x,
 /// builds with and without -march flags run the same kernels; the portable set keeps Eigen's
 /// GEMM (gemm_cols). With bf16 weights and several tokens, x is rounded once into scratch.x_rounded
 /// for every thread (the rule in gemv.hpp); more than kMaxFewTokens run on AMX tiles where
-/// amx_applies (gemm_amx.hpp), x rounded to bf16 rows in that scratch.
+/// amx_applies (gemm_amx.hpp), x rounded to bf16 rows in that scratch, reading a projection's
+/// amx_panels where given (slices of 16 rows start at a block of the re-laid matrix).
 template <class T, class W>
 void linear_group_values(std::initializer_list<Projection<T, W>> ps, const T* x, std::size_t n,
                          std::size_t in, ThreadPool* pool, const LinearScratch<T>& scratch,
@@ -159,7 +163,8 @@ void linear_group_values(std::initializer_list<Projection<T, W>> ps, const T* x,
         gemv_rows(ks, p.y, p.w, x, r0, r1, in);
       } else if (amx) {
         if constexpr (std::is_same_v<T, float> && std::is_same_v<W, bf16>)
-          gemm_amx(p.y, xa, p.w, n, in, p.out, r0, r1, reinterpret_cast<bf16*>(panel));
+          gemm_amx(p.y, xa, p.w, n, in, p.out, r0, r1, reinterpret_cast<bf16*>(panel),
+                   p.amx_panels);
       } else if (lanes) {
         gemm_lanes(ks, p.y, xg, p.w, n, in, p.out, r0, r1, panel);
       } else if (few) {

@@ -18,8 +18,10 @@
 #include "kvdecode/detail/linear.hpp"
 #include "kvdecode/detail/ops.hpp"
 #include "kvdecode/detail/row_groups.hpp"
+#include "kvdecode/detail/swiglu.hpp"
 #include "kvdecode/error.hpp"
 #include "kvdecode/model/activations.hpp"
+#include "kvdecode/model/amx_panels.hpp"
 #include "kvdecode/model/attention.hpp"
 #include "kvdecode/model/model_config.hpp"
 #include "kvdecode/model/reference.hpp"
@@ -67,6 +69,9 @@ class Model {
       widen_into(gains_.data() + 2 * w_.layers.size() * dim, w_.rms_final.data(), dim);
     }
     if constexpr (kIsBlockFormat<W>) repack_matrices();
+    if constexpr (std::is_same_v<T, float> && std::is_same_v<W, bf16>) {
+      if (AmxPanels::wanted()) amx_ = AmxPanels(w_);
+    }
   }
 
   const ModelConfig& config() const { return w_.config; }
@@ -75,6 +80,9 @@ class Model {
   /// detail/row_groups.hpp, repacked in place at construction (detail::repacked_block reads a
   /// block back as stored).
   const Weights<W>& weights() const { return w_; }
+  /// Bytes of the layer matrices re-laid for the AMX tiles at construction (AmxPanels), held
+  /// beside weights() by bf16 models where prefill runs on AMX; 0 otherwise.
+  std::size_t amx_panel_bytes() const { return amx_.bytes(); }
 
   /// Runs one token at the next cache index: computes its q/k/v, appends its K/V to the
   /// store, attends over the whole cache and returns the logits [vocab_size] (a view into act).
@@ -371,9 +379,9 @@ class Model {
 
     detail::rmsnorm(act.xb.data(), act.x.data(), gain_att(l), n, dim, cfg.norm_eps);
     // q, k and v read the same input: one parallel region for the three.
-    linear_group({{act.q.data(), lw.wq.data(), dim},
-                  {act.k.data(), lw.wk.data(), kv_dim},
-                  {act.v.data(), lw.wv.data(), kv_dim}},
+    linear_group({{act.q.data(), lw.wq.data(), dim, amx_.get(l, &AmxLayerPanels::wq)},
+                  {act.k.data(), lw.wk.data(), kv_dim, amx_.get(l, &AmxLayerPanels::wk)},
+                  {act.v.data(), lw.wv.data(), kv_dim, amx_.get(l, &AmxLayerPanels::wv)}},
                  act.xb.data(), n, dim, act, order);
     for (const SequenceRows& part : parts) {
       S& cache = *stores[part.seq];
@@ -416,9 +424,14 @@ class Model {
       });
     }
 
-    linear_group({{act.xb.data(), lw.wo.data(), dim}}, act.att.data(), n, dim, act, order);
+    linear_group({{act.xb.data(), lw.wo.data(), dim, amx_.get(l, &AmxLayerPanels::wo)}},
+                 act.att.data(), n, dim, act, order);
     add_into(act.x.data(), act.xb.data(), n * dim);
   }
+
+  /// Below this many SwiGLU elements (a decode step's hidden_dim, a small batch's) the caller
+  /// runs them alone: waking the pool (~1-2 µs) would cost more than it shares out.
+  static constexpr std::size_t kMinParallelSwiglu = std::size_t{1} << 16;
 
   /// x += w2 · (silu(w1 · norm(x)) ⊙ w3 · norm(x)) for the n rows of layer l (SwiGLU).
   void ffn_block(std::size_t l, std::size_t n, Activations<T>& act, Order order) const {
@@ -428,10 +441,23 @@ class Model {
     const auto hidden = static_cast<std::size_t>(cfg.hidden_dim);
     detail::rmsnorm(act.xb.data(), act.x.data(), gain_ffn(l), n, dim, cfg.norm_eps);
     // gate and up read the same input: one parallel region for both.
-    linear_group({{act.hb.data(), lw.w1.data(), hidden}, {act.hb2.data(), lw.w3.data(), hidden}},
+    linear_group({{act.hb.data(), lw.w1.data(), hidden, amx_.get(l, &AmxLayerPanels::w1)},
+                  {act.hb2.data(), lw.w3.data(), hidden, amx_.get(l, &AmxLayerPanels::w3)}},
                  act.xb.data(), n, dim, act, order);
-    detail::swiglu(act.hb.data(), act.hb2.data(), n * hidden);
-    linear_group({{act.xb.data(), lw.w2.data(), dim}}, act.hb.data(), n, hidden, act, order);
+    // A chunk's gates are shared out on the pool (the same values on any split).
+    const std::size_t count = n * hidden;
+    const KernelSet ks = active_kernel_set();
+    parallel_run(count >= kMinParallelSwiglu ? act.pool : nullptr,
+                 [&](std::size_t t, std::size_t nt) {
+                   const auto [i0, i1] = ThreadPool::share(count, nt, t, 16);
+                   if constexpr (std::is_same_v<T, float>) {
+                     detail::swiglu(ks, act.hb.data() + i0, act.hb2.data() + i0, i1 - i0);
+                   } else {
+                     detail::swiglu(act.hb.data() + i0, act.hb2.data() + i0, i1 - i0);
+                   }
+                 });
+    linear_group({{act.xb.data(), lw.w2.data(), dim, amx_.get(l, &AmxLayerPanels::w2)}},
+                 act.hb.data(), n, hidden, act, order);
     add_into(act.x.data(), act.xb.data(), n * dim);
   }
 
@@ -499,6 +525,7 @@ class Model {
   }
 
   Weights<W> w_;
+  AmxPanels amx_;  // layer matrices re-laid for the AMX tiles (bf16 W where AMX runs), or empty
   AlignedBuffer<T>
       gains_;  // [2 n_layers + 1][dim] rms_att, rms_ffn per layer, rms_final; bf16 W only
 };
