@@ -234,7 +234,7 @@ std::vector<float> check_kernel(KernelSet ks, std::size_t rows, std::size_t cols
   std::vector<std::int8_t> xc(n * cols);
   std::vector<float> xs(n * nb);
   std::vector<std::int32_t> xsum(n * nb);
-  detail::quantize_activations(x.data(), n, cols, xc.data(), xs.data(), xsum.data());
+  detail::quantize_activations(ks, x.data(), n, cols, xc.data(), xs.data(), xsum.data());
   for (std::size_t b = 0; b < xsum.size(); ++b) {  // the sums' definition
     std::int32_t sum = 0;
     for (std::size_t j = 0; j < kWeightBlock; ++j) sum += xc[b * kWeightBlock + j];
@@ -288,20 +288,67 @@ std::vector<float> check_kernel(KernelSet ks, std::size_t rows, std::size_t cols
   return y;
 }
 
-// Rows below, at and past whole groups of 8 (tails of 1..7 rows), token counts covering the
-// VNNI tiles of 4, 2 and 1, and widths from one block up.
+// Rows below, at and past whole groups of 8 (tails of 1..7 rows; one, two and three groups, so
+// pairs of groups and a group left over), token counts covering the VNNI tiles of 8, 4, 2 and 1,
+// and widths from one block up.
 TEST_P(QuantKernelTest, Q8MatchesQuantizedProductsWithinBound) {
   for (const std::size_t rows : {1, 3, 8, 17, 24, 39})
     for (const std::size_t cols : {32, 64, 96, 288, 800})
-      for (const std::size_t n : {1, 2, 7})
+      for (const std::size_t n : {1, 2, 7, 15})
         check_kernel<Q8_0>(ks(), rows, cols, n, rows * cols + n);
 }
 
 TEST_P(QuantKernelTest, Q4MatchesQuantizedProductsWithinBound) {
   for (const std::size_t rows : {1, 3, 8, 17, 24, 39})
     for (const std::size_t cols : {32, 64, 96, 288, 800})
-      for (const std::size_t n : {1, 2, 7})
+      for (const std::size_t n : {1, 2, 7, 15})
         check_kernel<Q4_0>(ks(), rows, cols, n, rows * cols + n);
+}
+
+// The input's quantization by the formula: d = max|x| / 127 in f32, codes = x · (127 / max|x|)
+// rounded to nearest, ties to even, clamped to ±127; an all-zero block gets d = 0 and codes 0; a
+// block holding an infinity or a NaN gets d = NaN, codes 0 and sum 0.
+TEST_P(QuantKernelTest, ActivationsQuantizeByTheFormula) {
+  const std::size_t in = 32 * 7, n = 3, nb = in / kWeightBlock;
+  auto x = random_floats(n * in, 5, 4.0);
+  for (std::size_t i = 0; i < x.size(); ++i) x[i] *= static_cast<float>(1 + (i / 32) % 6);
+  std::fill_n(x.begin() + 32, 32, 0.0f);  // block 1: zero
+  x[2 * 32 + 5] = INFINITY;               // block 2: an infinity
+  x[3 * 32 + 9] = std::nanf("");          // block 3: a NaN
+  for (std::size_t j = 0; j < 32; ++j)    // block 4: max 127, ties at ±k.5
+    x[4 * 32 + j] =
+        j == 0 ? 127.0f
+               : static_cast<float>(j % 2 == 0 ? 1 : -1) * (static_cast<float>(j) * 0.5f + 0.5f);
+  std::vector<std::int8_t> xc(n * in, 99);
+  std::vector<float> xs(n * nb, -1.0f);
+  std::vector<std::int32_t> xsum(n * nb, -1);
+  detail::quantize_activations(ks(), x.data(), n, in, xc.data(), xs.data(), xsum.data());
+  for (std::size_t b = 0; b < n * nb; ++b) {
+    float amax = 0;
+    bool finite = true;
+    for (std::size_t j = 0; j < 32; ++j) {
+      finite = finite && std::isfinite(x[b * 32 + j]);
+      if (std::isfinite(x[b * 32 + j])) amax = std::max(amax, std::abs(x[b * 32 + j]));
+    }
+    if (!finite) {
+      EXPECT_TRUE(std::isnan(xs[b])) << b;
+      EXPECT_EQ(xsum[b], 0) << b;
+      for (std::size_t j = 0; j < 32; ++j) EXPECT_EQ(xc[b * 32 + j], 0) << b << " " << j;
+      continue;
+    }
+    EXPECT_EQ(xs[b], amax / 127.0f) << b;
+    std::int32_t sum = 0;
+    for (std::size_t j = 0; j < 32; ++j) {
+      const float v = amax == 0 ? 0.0f : x[b * 32 + j] * (127.0f / amax);
+      double want = std::floor(static_cast<double>(v));
+      const double frac = static_cast<double>(v) - want;
+      if (frac > 0.5 || (frac == 0.5 && std::fmod(want, 2.0) != 0)) want += 1;  // ties to even
+      want = std::clamp(want, -127.0, 127.0);
+      EXPECT_EQ(xc[b * 32 + j], static_cast<std::int8_t>(want)) << b << " " << j;
+      sum += static_cast<std::int32_t>(want);
+    }
+    EXPECT_EQ(xsum[b], sum) << b;
+  }
 }
 
 // Prefill sizes: more tokens than one pass over the groups takes (2048 columns: 32 tokens per

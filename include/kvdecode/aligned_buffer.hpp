@@ -59,13 +59,25 @@ class AlignedBuffer {
 #endif
     std::fill_n(data_, size, T{});
   }
+  /// `size` elements at `data`, inside storage another buffer owns (Weights' arena of matrices):
+  /// the view frees nothing and must not outlive that owner. data must be kAlignment-aligned.
+  static AlignedBuffer view(T* data, std::size_t size) {
+    AlignedBuffer b;
+    b.data_ = data;
+    b.size_ = size;
+    b.owned_ = false;
+    return b;
+  }
   AlignedBuffer(AlignedBuffer&& other) noexcept
-      : data_(std::exchange(other.data_, nullptr)), size_(std::exchange(other.size_, 0)) {}
+      : data_(std::exchange(other.data_, nullptr)),
+        size_(std::exchange(other.size_, 0)),
+        owned_(std::exchange(other.owned_, true)) {}
   AlignedBuffer& operator=(AlignedBuffer&& other) noexcept {
     if (this != &other) {
       release();
       data_ = std::exchange(other.data_, nullptr);
       size_ = std::exchange(other.size_, 0);
+      owned_ = std::exchange(other.owned_, true);
     }
     return *this;
   }
@@ -101,13 +113,15 @@ class AlignedBuffer {
   }
 
   void release() {
-    if (data_ != nullptr) ::operator delete (data_, std::align_val_t{alignment(size_)});
+    if (data_ != nullptr && owned_) ::operator delete (data_, std::align_val_t{alignment(size_)});
     data_ = nullptr;
     size_ = 0;
+    owned_ = true;
   }
 
   T* data_ = nullptr;
   std::size_t size_ = 0;
+  bool owned_ = true;  // false for a view()
 };
 
 }  // namespace kvdecode

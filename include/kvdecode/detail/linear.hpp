@@ -89,7 +89,7 @@ void linear_group_blocks(std::initializer_list<Projection<T, W>> ps, const T* x,
                          std::size_t in, ThreadPool* pool, const LinearScratch<T>& scratch,
                          KernelSet ks) {
   static_assert(std::is_same_v<T, float>, "block-format weights compute in f32");
-  quantize_activations(x, n, in, scratch.x_codes, scratch.x_scales, scratch.x_sums);
+  quantize_activations(ks, x, n, in, scratch.x_codes, scratch.x_scales, scratch.x_sums);
   const std::int8_t* const xc = scratch.x_codes;
   const float* const xs = scratch.x_scales;
   const std::int32_t* const xsum = scratch.x_sums;

@@ -33,8 +33,8 @@ namespace kvdecode::detail {
 /// d = NaN, so its products are NaN as an f32 GEMV's would be. in must be a multiple of 32.
 /// sums [n][in / 32]: each block's 32 codes added, which the kernels multiply by the bias of
 /// the weights' unsigned form (−128 for Q8_0 stored as code + 128, −8 for Q4_0's nibbles).
-inline void quantize_activations(const float* x, std::size_t n, std::size_t in, std::int8_t* codes,
-                                 float* scales, std::int32_t* sums) {
+inline void quantize_activations_portable(const float* x, std::size_t n, std::size_t in,
+                                          std::int8_t* codes, float* scales, std::int32_t* sums) {
   for (std::size_t b = 0; b < n * (in / kWeightBlock); ++b) {
     const float* xb = x + b * kWeightBlock;
     float amax = 0;
@@ -48,7 +48,7 @@ inline void quantize_activations(const float* x, std::size_t n, std::size_t in, 
     scales[b] = d;
     std::int32_t sum = 0;
     for (std::size_t j = 0; j < kWeightBlock; ++j) {
-      const float q = std::nearbyint(xb[j] * id);
+      const float q = finite ? std::nearbyint(xb[j] * id) : 0.0f;
       const auto c = static_cast<std::int8_t>(std::clamp(q, -127.0f, 127.0f));
       codes[b * kWeightBlock + j] = c;
       sum += c;
@@ -168,6 +168,58 @@ KVDECODE_TARGET_AVX2 inline __m256i unit_input(const std::int8_t* xb, std::size_
   std::int32_t v;
   std::memcpy(&v, xb + u * kGroupUnit, sizeof v);
   return _mm256_set1_epi32(v);
+}
+
+/// quantize_activations_portable's operations eight floats at a time (the same products,
+/// roundings and clamps, so the same codes and scales): one block is four registers.
+KVDECODE_TARGET_AVX2 inline void quantize_activations_avx2(const float* x, std::size_t n,
+                                                           std::size_t in, std::int8_t* codes,
+                                                           float* scales, std::int32_t* sums) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256 inf = _mm256_set1_ps(INFINITY);
+  const __m256 lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (std::size_t b = 0; b < n * (in / kWeightBlock); ++b) {
+    const float* xb = x + b * kWeightBlock;
+    __m256 v[4];
+    __m256 amax = _mm256_setzero_ps();
+    __m256 finite = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+    for (std::size_t i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_ps(xb + 8 * i);
+      const __m256 a = _mm256_andnot_ps(sign, v[i]);
+      finite = _mm256_and_ps(finite, _mm256_cmp_ps(a, inf, _CMP_LT_OQ));
+      amax = _mm256_max_ps(amax, a);
+    }
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    const float am = _mm_cvtss_f32(m);
+    const bool ok = _mm256_movemask_ps(finite) == 0xFF;
+    scales[b] = ok ? am / 127.0f : std::nanf("");
+    std::int8_t* const cb = codes + b * kWeightBlock;
+    if (!ok) {
+      std::memset(cb, 0, kWeightBlock);
+      sums[b] = 0;
+      continue;
+    }
+    const __m256 id = _mm256_set1_ps(am > 0 ? 127.0f / am : 0.0f);
+    __m256i q[4];
+    for (std::size_t i = 0; i < 4; ++i) {
+      const __m256 r =
+          _mm256_round_ps(_mm256_mul_ps(v[i], id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      q[i] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi));
+    }
+    __m256i s = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+    sums[b] = _mm_cvtsi128_si32(s4);
+    // packs work within 128-bit halves: 32-bit groups come out as 0,2,4,6 | 1,3,5,7 per half.
+    const __m256i p16a = _mm256_packs_epi32(q[0], q[1]);
+    const __m256i p16b = _mm256_packs_epi32(q[2], q[3]);
+    const __m256i p8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16a, p16b), order);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(cb), p8);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -319,6 +371,92 @@ KVDECODE_TARGET_AVX512BF16 inline void group_tokens_vnni(float* y, const std::ui
   for (std::size_t j = 0; j < T; ++j) store_group(y + (t + j) * out, acc[j], g, r0, r1);
 }
 
+// The same products two groups (16 rows) at a time in 512-bit registers: group g's eight lanes
+// in the low half, group g + 1's in the high half, the input units broadcast to all sixteen.
+// vpdpbusd on zmm does as many products per cycle as two on ymm, but leaves the second vector
+// port to the conversions, scalings and fmas around it, which bound the 256-bit tiles in
+// prefill.
+
+/// 32 bytes of group g (lo) and the same 32 bytes of group g + 1 (hi) as one register.
+KVDECODE_TARGET_AVX512BF16 inline __m512i pair_load(const std::uint8_t* lo,
+                                                    const std::uint8_t* hi) {
+  return _mm512_inserti64x4(
+      _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo))),
+      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi)), 1);
+}
+
+/// acc [T][16 rows] of groups g0 (lanes 0..7) and g1 (lanes 8..15) over every block, for tokens
+/// t.. t + T − 1 (codes xc [T][in]).
+template <class B, std::size_t T>
+KVDECODE_TARGET_AVX512BF16 inline void pair_tile_vnni(__m512 (&acc)[T], const std::uint8_t* g0,
+                                                      const std::uint8_t* g1, const std::int8_t* xc,
+                                                      const float* xs, const std::int32_t* xsum,
+                                                      std::size_t in, std::size_t nb) {
+  using L = GroupLayout<B>;
+  KVDECODE_UNROLL
+  for (std::size_t j = 0; j < T; ++j) acc[j] = _mm512_setzero_ps();
+  for (std::size_t b = 0; b < nb; ++b) {
+    const std::uint8_t* const b0 = g0 + b * L::kBytes;
+    const std::uint8_t* const b1 = g1 + b * L::kBytes;
+    prefetch_ahead(b0, L::kBytes);
+    prefetch_ahead(b1, L::kBytes);
+    const __m512 dw = _mm512_cvtph_ps(_mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b0))),
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(b1)), 1));
+    const std::uint8_t* const q0 = b0 + L::kScaleBytes;
+    const std::uint8_t* const q1 = b1 + L::kScaleBytes;
+    __m512i wv[8];  // unit u pairs with input unit u
+    if constexpr (std::is_same_v<B, Q8_0>) {
+      KVDECODE_UNROLL
+      for (std::size_t u = 0; u < 8; ++u) wv[u] = pair_load(q0 + u * 32, q1 + u * 32);
+    } else {
+      const __m512i low = _mm512_set1_epi8(15);
+      KVDECODE_UNROLL
+      for (std::size_t u = 0; u < 4; ++u) {
+        const __m512i v = pair_load(q0 + u * 32, q1 + u * 32);
+        wv[u] = _mm512_and_si512(v, low);
+        wv[u + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      }
+    }
+    KVDECODE_UNROLL
+    for (std::size_t j = 0; j < T; ++j) {
+      const std::int8_t* const xb = xc + j * in + b * kWeightBlock;
+      __m512i s0 = _mm512_set1_epi32(kCodeBias<B> * xsum[j * nb + b]);
+      __m512i s1 = _mm512_setzero_si512();
+      KVDECODE_UNROLL
+      for (std::size_t u = 0; u < 8; u += 2) {
+        std::int32_t x0, x1;
+        std::memcpy(&x0, xb + u * kGroupUnit, sizeof x0);
+        std::memcpy(&x1, xb + (u + 1) * kGroupUnit, sizeof x1);
+        s0 = _mm512_dpbusd_epi32(s0, wv[u], _mm512_set1_epi32(x0));
+        s1 = _mm512_dpbusd_epi32(s1, wv[u + 1], _mm512_set1_epi32(x1));
+      }
+      const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(xs[j * nb + b]));
+      acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), scale, acc[j]);
+    }
+  }
+}
+
+template <class B, std::size_t T>
+KVDECODE_TARGET_AVX512BF16 inline void pair_tokens_vnni(
+    float* y, const std::uint8_t* g0, const std::uint8_t* g1, const std::int8_t* xc,
+    const float* xs, const std::int32_t* xsum, std::size_t in, std::size_t out, std::size_t t,
+    std::size_t g, std::size_t r0, std::size_t r1) {
+  const std::size_t nb = in / kWeightBlock;
+  __m512 acc[T];
+  pair_tile_vnni<B, T>(acc, g0, g1, xc + t * in, xs + t * nb, xsum + t * nb, in, nb);
+  KVDECODE_UNROLL
+  for (std::size_t j = 0; j < T; ++j) {
+    store_group(y + (t + j) * out, _mm512_castps512_ps256(acc[j]), g, r0, r1);
+    store_group(y + (t + j) * out,
+                _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[j]), 1)), g + 1, r0,
+                r1);
+  }
+}
+
+/// Tokens a 512-bit tile takes at once: eight accumulators beside the eight weight registers.
+inline constexpr std::size_t kPairTileTokens = 8;
+
 template <class B>
 KVDECODE_TARGET_AVX512BF16 inline void qgemm_rows_vnni(float* y, const B* w, const std::int8_t* xc,
                                                        const float* xs, const std::int32_t* xsum,
@@ -328,10 +466,23 @@ KVDECODE_TARGET_AVX512BF16 inline void qgemm_rows_vnni(float* y, const B* w, con
   const std::size_t nb = in / kWeightBlock;
   const std::size_t groups = whole_groups(out);
   const std::size_t g1 = std::min(groups, (r1 + kGroupRows - 1) / kGroupRows);
-  const std::size_t chunk = token_chunk(in, kTileTokens);
+  const std::size_t chunk = token_chunk(in, kPairTileTokens);
   for (std::size_t t0 = 0; t0 < n; t0 += chunk) {
     const std::size_t t1 = std::min(n, t0 + chunk);
-    for (std::size_t g = r0 / kGroupRows; g < g1; ++g) {
+    std::size_t g = r0 / kGroupRows;
+    for (; g + 2 <= g1; g += 2) {
+      const std::uint8_t* const p0 = group_block(w, nb, g, 0);
+      const std::uint8_t* const p1 = group_block(w, nb, g + 1, 0);
+      std::size_t t = t0;
+      for (; t + kPairTileTokens <= t1; t += kPairTileTokens)
+        pair_tokens_vnni<B, kPairTileTokens>(y, p0, p1, xc, xs, xsum, in, out, t, g, r0, r1);
+      for (; t + 4 <= t1; t += 4)
+        pair_tokens_vnni<B, 4>(y, p0, p1, xc, xs, xsum, in, out, t, g, r0, r1);
+      for (; t + 2 <= t1; t += 2)
+        pair_tokens_vnni<B, 2>(y, p0, p1, xc, xs, xsum, in, out, t, g, r0, r1);
+      for (; t < t1; ++t) pair_tokens_vnni<B, 1>(y, p0, p1, xc, xs, xsum, in, out, t, g, r0, r1);
+    }
+    for (; g < g1; ++g) {
       const std::uint8_t* const gp = group_block(w, nb, g, 0);
       std::size_t t = t0;
       for (; t + kTileTokens <= t1; t += kTileTokens)
@@ -352,6 +503,17 @@ KVDECODE_INTRINSICS_END
 // ---------------------------------------------------------------------------------------------
 // Dispatch: one switch per call, outside every loop. `ks` must be a set the CPU supports.
 // ---------------------------------------------------------------------------------------------
+
+/// x [n][in] quantized by the set's quantize_activations (every set gives the same codes,
+/// scales and sums).
+inline void quantize_activations(KernelSet ks, const float* x, std::size_t n, std::size_t in,
+                                 std::int8_t* codes, float* scales, std::int32_t* sums) {
+#if KVDECODE_X86_KERNELS
+  if (ks != KernelSet::kPortable) return quantize_activations_avx2(x, n, in, codes, scales, sums);
+#endif
+  static_cast<void>(ks);
+  quantize_activations_portable(x, n, in, codes, scales, sums);
+}
 
 /// y [n][out] rows [r0, r1) = w [out][in / 32] · x for each of n tokens; w in row_groups.hpp's
 /// layout (repack_row_groups), x given quantized by quantize_activations (codes [n][in], scales

@@ -1,6 +1,7 @@
 // Weights<T>: the parameters of a Llama-architecture decoder, owned in 64-byte aligned buffers,
-// one buffer per tensor and layer, with llama2.c's names and [out][in] row-major matrices; with
-// a block format (Q8_0, Q4_0) every matrix row is in/32 blocks and the RMSNorm gains stay f32.
+// one buffer per tensor and layer (the layers' matrices as views into one arena), with llama2.c's
+// names and [out][in] row-major matrices; with a block format (Q8_0, Q4_0) every matrix row is
+// in/32 blocks and the RMSNorm gains stay f32.
 #pragma once
 
 #include <algorithm>
@@ -53,6 +54,11 @@ struct Weights {
   static constexpr std::size_t kPerElement = kIsBlockFormat<T> ? kWeightBlock : 1;
 
   ModelConfig config;
+  // Every layer's matrices, one after another (each at a multiple of kAlignment): one buffer
+  // large enough for huge pages, where each matrix alone (a few hundred KiB in q8_0) would be
+  // streamed through 4 KiB pages. The layers' wq .. w3 are views into it; declared before them,
+  // so it is freed after them.
+  AlignedBuffer<std::byte> matrix_arena;
   AlignedBuffer<T> token_embedding;     // [vocab_size][dim] (÷ kPerElement: blocks)
   std::vector<LayerWeights<T>> layers;  // [n_layers]
   AlignedBuffer<GainOf<T>> rms_final;   // [dim]
@@ -61,38 +67,34 @@ struct Weights {
   Weights() = default;
   /// Throws Error, allocating nothing, for an invalid config or, with a block format, a
   /// matrix row width (dim, hidden_dim) that is not a multiple of 32: rows are never padded.
-  explicit Weights(const ModelConfig& cfg) : config(cfg) {
-    cfg.validate();
+  explicit Weights(const ModelConfig& cfg) : config(cfg), matrix_arena(checked_arena_bytes(cfg)) {
     const auto dim = static_cast<std::size_t>(cfg.dim);
     const auto hidden = static_cast<std::size_t>(cfg.hidden_dim);
     const auto kv_dim = static_cast<std::size_t>(cfg.kv_dim());
     const auto vocab = static_cast<std::size_t>(cfg.vocab_size);
-    if constexpr (kIsBlockFormat<T>) {
-      KVDECODE_CHECK(dim % kWeightBlock == 0, "Weights<", block_format_name<T>(),
-                     ">: the rows of token_embedding_table, wq, wk, wv, wo, w1, w3 and wcls are "
-                     "dim = ",
-                     dim, " weights wide, expected a multiple of the ", kWeightBlock,
-                     "-weight block");
-      KVDECODE_CHECK(hidden % kWeightBlock == 0, "Weights<", block_format_name<T>(),
-                     ">: the rows of w2 are hidden_dim = ", hidden,
-                     " weights wide, expected a multiple of the ", kWeightBlock, "-weight block");
-    }
     const auto matrix = [](std::size_t out, std::size_t in) {
       return AlignedBuffer<T>(out * in / kPerElement);
+    };
+    std::size_t arena_used = 0;
+    const auto arena_matrix = [&](std::size_t out, std::size_t in) {
+      const std::size_t at = arena_used;
+      arena_used += arena_bytes(out, in);
+      return AlignedBuffer<T>::view(reinterpret_cast<T*>(matrix_arena.data() + at),
+                                    out * in / kPerElement);
     };
     token_embedding = matrix(vocab, dim);
     layers.reserve(static_cast<std::size_t>(cfg.n_layers));
     for (std::int64_t l = 0; l < cfg.n_layers; ++l) {
       LayerWeights<T> w;
       w.rms_att = AlignedBuffer<GainOf<T>>(dim);
-      w.wq = matrix(dim, dim);
-      w.wk = matrix(kv_dim, dim);
-      w.wv = matrix(kv_dim, dim);
-      w.wo = matrix(dim, dim);
+      w.wq = arena_matrix(dim, dim);
+      w.wk = arena_matrix(kv_dim, dim);
+      w.wv = arena_matrix(kv_dim, dim);
+      w.wo = arena_matrix(dim, dim);
       w.rms_ffn = AlignedBuffer<GainOf<T>>(dim);
-      w.w1 = matrix(hidden, dim);
-      w.w2 = matrix(dim, hidden);
-      w.w3 = matrix(hidden, dim);
+      w.w1 = arena_matrix(hidden, dim);
+      w.w2 = arena_matrix(dim, hidden);
+      w.w3 = arena_matrix(hidden, dim);
       layers.push_back(std::move(w));
     }
     rms_final = AlignedBuffer<GainOf<T>>(dim);
@@ -128,6 +130,33 @@ struct Weights {
   }
 
  private:
+  /// Bytes one matrix [out][in] takes in the arena: its elements, rounded up to kAlignment.
+  static std::size_t arena_bytes(std::size_t out, std::size_t in) {
+    return (out * in / kPerElement * sizeof(T) + kAlignment - 1) / kAlignment * kAlignment;
+  }
+
+  /// The arena's bytes for every layer's matrices, once the config (and, with a block format,
+  /// the row widths) are checked: the constructor allocates nothing for a bad config.
+  static std::size_t checked_arena_bytes(const ModelConfig& cfg) {
+    cfg.validate();
+    const auto dim = static_cast<std::size_t>(cfg.dim);
+    const auto hidden = static_cast<std::size_t>(cfg.hidden_dim);
+    const auto kv_dim = static_cast<std::size_t>(cfg.kv_dim());
+    if constexpr (kIsBlockFormat<T>) {
+      KVDECODE_CHECK(dim % kWeightBlock == 0, "Weights<", block_format_name<T>(),
+                     ">: the rows of token_embedding_table, wq, wk, wv, wo, w1, w3 and wcls are "
+                     "dim = ",
+                     dim, " weights wide, expected a multiple of the ", kWeightBlock,
+                     "-weight block");
+      KVDECODE_CHECK(hidden % kWeightBlock == 0, "Weights<", block_format_name<T>(),
+                     ">: the rows of w2 are hidden_dim = ", hidden,
+                     " weights wide, expected a multiple of the ", kWeightBlock, "-weight block");
+    }
+    return static_cast<std::size_t>(cfg.n_layers) *
+           (2 * arena_bytes(dim, dim) + 2 * arena_bytes(kv_dim, dim) +
+            3 * arena_bytes(hidden, dim));
+  }
+
   template <class Self, class Fn>
   static void for_each_tensor_impl(Self& self, Fn& fn) {
     const auto per_layer = [&](const char* name, auto member) {
