@@ -13,7 +13,8 @@
 
 #include "kvdecode/detail/cpu.hpp"
 #include "kvdecode/detail/gemm.hpp"         // eigen_gemm_as_wide, KVDECODE_UNROLL (gemv.hpp)
-#include "kvdecode/detail/gemm_packed.hpp"  // the register transposes
+#include "kvdecode/detail/gemm_packed.hpp"  // load_widened_avx512
+#include "kvdecode/detail/transpose.hpp"
 
 namespace kvdecode::detail {
 
@@ -254,7 +255,7 @@ KVDECODE_TARGET_AVX512 inline void pack_keys_avx512(float* kt, std::size_t ld, s
       for (std::size_t c = 0; c < 16; ++c)
         r[c] = c < cn ? load_widened_avx512(keys + (c0 + c) * stride + d0, dn)
                       : _mm512_setzero_si512();
-      transpose_16x16_epi32(r);  // r[d]: dimension d0 + d of keys [c0, c0 + 16)
+      transpose_16x16(r);  // r[d]: dimension d0 + d of keys [c0, c0 + 16)
       for (std::size_t d = 0; d < dn; ++d)
         _mm512_mask_storeu_epi32(kt + (d0 + d) * ld + col + c0, cm, r[d]);
     }
@@ -273,7 +274,7 @@ KVDECODE_TARGET_AVX2 inline void pack_keys_avx2(float* kt, std::size_t ld, std::
       __m256 r[8];  // r[c]: key c0 + c, dimensions [d0, d0 + 8)
       for (std::size_t c = 0; c < 8; ++c)
         r[c] = c < cn ? _mm256_maskload_ps(keys + (c0 + c) * stride + d0, dm) : _mm256_setzero_ps();
-      transpose_8x8_avx2(r);  // r[d]: dimension d0 + d of keys [c0, c0 + 8)
+      transpose_8x8(r);  // r[d]: dimension d0 + d of keys [c0, c0 + 8)
       for (std::size_t d = 0; d < dn; ++d)
         _mm256_maskstore_ps(kt + (d0 + d) * ld + col + c0, cm, r[d]);
     }

@@ -14,7 +14,8 @@
 
 #include "kvdecode/bf16.hpp"
 #include "kvdecode/detail/cpu.hpp"
-#include "kvdecode/detail/gemm_packed.hpp"  // transpose_16x16_epi32
+#include "kvdecode/detail/gemm.hpp"  // kPanelRows
+#include "kvdecode/detail/transpose.hpp"
 
 namespace kvdecode::detail {
 
@@ -114,7 +115,7 @@ KVDECODE_TARGET_AMX inline void pack_panel_amx_avx512(bf16* panel, const bf16* w
         const std::size_t j = half * 16 + i;
         r[i] = j < cols ? _mm512_maskz_loadu_epi16(m, w + j * in + k0) : _mm512_setzero_si512();
       }
-      transpose_16x16_epi32(r);
+      transpose_16x16(r);
       bf16* dst = panel + half * 16 * amx_lda(in) + kb * 512;
       for (std::size_t p = 0; p < 16; ++p) _mm512_storeu_si512(dst + p * 32, r[p]);
     }

@@ -27,6 +27,7 @@
 #include "kvdecode/detail/cpu.hpp"
 #include "kvdecode/detail/gemm.hpp"
 #include "kvdecode/detail/gemv.hpp"
+#include "kvdecode/detail/transpose.hpp"
 
 namespace kvdecode::detail {
 
@@ -73,37 +74,11 @@ struct TilePrefetch {
 // AVX-512: 16 × 16 transposes, tiles of R × 16 rows against up to 16 / R tokens.
 // ---------------------------------------------------------------------------------------------
 
-/// v [16] rows of 16 dwords → v [16] columns (v[c] lane r = old v[r] lane c).
-KVDECODE_TARGET_AVX512 inline void transpose16_avx512(__m512 v[16]) {
-  __m512 t[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]);
-  }
-  __m512 u[16];  // u[4j + m], 128-bit lane L: rows 4j .. 4j+3 of column 4L + m
-  for (int j = 0; j < 4; ++j) {
-    u[4 * j + 0] = _mm512_shuffle_ps(t[4 * j], t[4 * j + 2], 0x44);
-    u[4 * j + 1] = _mm512_shuffle_ps(t[4 * j], t[4 * j + 2], 0xEE);
-    u[4 * j + 2] = _mm512_shuffle_ps(t[4 * j + 1], t[4 * j + 3], 0x44);
-    u[4 * j + 3] = _mm512_shuffle_ps(t[4 * j + 1], t[4 * j + 3], 0xEE);
-  }
-  for (int m = 0; m < 4; ++m) {
-    const __m512 a = _mm512_shuffle_f32x4(u[m], u[4 + m], 0x88);       // lanes 0, 2 of each
-    const __m512 b = _mm512_shuffle_f32x4(u[m], u[4 + m], 0xDD);       // lanes 1, 3 of each
-    const __m512 c = _mm512_shuffle_f32x4(u[8 + m], u[12 + m], 0x88);  // lanes 0, 2 of each
-    const __m512 d = _mm512_shuffle_f32x4(u[8 + m], u[12 + m], 0xDD);  // lanes 1, 3 of each
-    v[m] = _mm512_shuffle_f32x4(a, c, 0x88);
-    v[8 + m] = _mm512_shuffle_f32x4(a, c, 0xDD);
-    v[4 + m] = _mm512_shuffle_f32x4(b, d, 0x88);
-    v[12 + m] = _mm512_shuffle_f32x4(b, d, 0xDD);
-  }
-}
-
 /// Loads 16 rows of 64 bytes (elements [0, cols) of rows [0, rows) of w [][in]; rows past
 /// `rows` and elements past `cols` read as zero) and transposes their dwords.
 template <class W>
-KVDECODE_TARGET_AVX512 inline void load_transpose16_avx512(__m512 v[16], const W* w, std::size_t in,
-                                                           std::size_t rows, std::size_t cols) {
+KVDECODE_TARGET_AVX512 inline void load_transpose_16x16(__m512 v[16], const W* w, std::size_t in,
+                                                        std::size_t rows, std::size_t cols) {
   for (std::size_t r = 0; r < 16; ++r) {
     if (r >= rows) {
       v[r] = _mm512_setzero_ps();
@@ -115,7 +90,7 @@ KVDECODE_TARGET_AVX512 inline void load_transpose16_avx512(__m512 v[16], const W
       v[r] = _mm512_castsi512_ps(_mm512_maskz_loadu_epi16(m, w + r * in));
     }
   }
-  transpose16_avx512(v);
+  transpose_16x16(v);
 }
 
 /// Packs columns [k0, k0 + kc) of rows [r, r + rows) (rows ≤ R × 16) of f32 or bf16 weights
@@ -132,7 +107,7 @@ KVDECODE_TARGET_AVX512 inline void pack_lanes_avx512(float* buf, const W* w, std
     for (std::size_t k = 0; k < kc; k += kPer) {
       __m512 v[16];
       const std::size_t cols = std::min(kPer, kc - k);
-      load_transpose16_avx512(v, w + r0 * in + k0 + k, in, here, cols);
+      load_transpose_16x16(v, w + r0 * in + k0 + k, in, here, cols);
       float* dst = buf + k * kW + r0;
       if constexpr (std::is_same_v<W, float>) {
         for (std::size_t c = 0; c < cols; ++c) _mm512_store_ps(dst + c * kW, v[c]);
@@ -192,7 +167,7 @@ KVDECODE_TARGET_AVX512BF16 inline void pack_pairs_avx512(float* buf, const bf16*
       __m512 v[16];
       const std::size_t cols = std::min<std::size_t>(32, kc - k);
       const std::size_t pairs = (cols + 1) / 2;
-      load_transpose16_avx512(v, w + r0 * in + k0 + k, in, here, cols);
+      load_transpose_16x16(v, w + r0 * in + k0 + k, in, here, cols);
       for (std::size_t j = 0; j < pairs; ++j) _mm512_store_ps(buf + (k / 2 + j) * kW + r0, v[j]);
     }
   }
@@ -341,7 +316,7 @@ KVDECODE_TARGET_AVX512 inline void transpose_tokens_avx512(float* xt, const floa
   for (std::size_t k = 0; k < in; k += 16) {
     __m512 v[16];
     const std::size_t cols = std::min<std::size_t>(16, in - k);
-    load_transpose16_avx512(v, x + k, in, n, cols);
+    load_transpose_16x16(v, x + k, in, n, cols);
     for (std::size_t c = 0; c < cols; ++c) _mm512_storeu_ps(xt + (k + c) * 16, v[c]);
   }
 }
@@ -380,33 +355,13 @@ KVDECODE_TARGET_AVX512 inline void tokens_tile_avx512(float* y, const float* xt,
       ++p[i];
     }
   }
-  transpose16_avx512(a);  // a[t] lane i: output (row r + i, token t)
+  transpose_16x16(a);  // a[t] lane i: output (row r + i, token t)
   for (std::size_t t = 0; t < n; ++t) _mm512_storeu_ps(y + t * out + r, a[t]);
 }
 
 // ---------------------------------------------------------------------------------------------
 // AVX2: 8 × 8 transposes, tiles of 16 rows (two ymm) against up to 6 tokens.
 // ---------------------------------------------------------------------------------------------
-
-/// v [8] rows of 8 dwords → v [8] columns.
-KVDECODE_TARGET_AVX2 inline void transpose8_avx2(__m256 v[8]) {
-  __m256 t[8];
-  for (int i = 0; i < 4; ++i) {
-    t[2 * i] = _mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]);
-    t[2 * i + 1] = _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]);
-  }
-  __m256 u[8];  // u[4j + m], 128-bit lane L: rows 4j .. 4j+3 of column 4L + m
-  for (int j = 0; j < 2; ++j) {
-    u[4 * j + 0] = _mm256_shuffle_ps(t[4 * j], t[4 * j + 2], 0x44);
-    u[4 * j + 1] = _mm256_shuffle_ps(t[4 * j], t[4 * j + 2], 0xEE);
-    u[4 * j + 2] = _mm256_shuffle_ps(t[4 * j + 1], t[4 * j + 3], 0x44);
-    u[4 * j + 3] = _mm256_shuffle_ps(t[4 * j + 1], t[4 * j + 3], 0xEE);
-  }
-  for (int m = 0; m < 4; ++m) {
-    v[m] = _mm256_permute2f128_ps(u[m], u[4 + m], 0x20);
-    v[4 + m] = _mm256_permute2f128_ps(u[m], u[4 + m], 0x31);
-  }
-}
 
 /// Packs columns [k0, k0 + kc) of rows [0, rows) (rows ≤ 16) of f32 or bf16 weights into
 /// buf [kc][16] f32 (missing rows zero).
@@ -434,7 +389,7 @@ KVDECODE_TARGET_AVX2 inline void pack_lanes_avx2(float* buf, const W* w, std::si
           v[i] = _mm256_load_ps(reinterpret_cast<const float*>(pad));
         }
       }
-      transpose8_avx2(v);
+      transpose_8x8(v);
       float* dst = buf + k * kLaneRows + r0;
       if constexpr (std::is_same_v<W, float>) {
         for (std::size_t c = 0; c < cols; ++c) _mm256_store_ps(dst + c * kLaneRows, v[c]);

@@ -15,6 +15,7 @@
 #include "kvdecode/bf16.hpp"
 #include "kvdecode/detail/cpu.hpp"
 #include "kvdecode/detail/gemm.hpp"  // kPanelRows, KVDECODE_UNROLL (gemv.hpp)
+#include "kvdecode/detail/transpose.hpp"
 
 namespace kvdecode::detail {
 
@@ -67,32 +68,6 @@ KVDECODE_INTRINSICS_BEGIN
 // is a whole vector.
 // ---------------------------------------------------------------------------------------------
 
-/// r [16] rows of 16 32-bit lanes, transposed in place (lane j of row i ↔ lane i of row j).
-KVDECODE_TARGET_AVX512 inline void transpose_16x16_epi32(__m512i r[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  __m512i u[16];  // u[4i + c], 128-bit lane L: column 4L + c of rows 4i .. 4i + 3
-  for (int i = 0; i < 4; ++i) {
-    u[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-  }
-  for (int c = 0; c < 4; ++c) {
-    const __m512i x0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88);
-    const __m512i x1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xDD);
-    const __m512i y0 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88);
-    const __m512i y1 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xDD);
-    r[c] = _mm512_shuffle_i32x4(x0, y0, 0x88);
-    r[4 + c] = _mm512_shuffle_i32x4(x1, y1, 0x88);
-    r[8 + c] = _mm512_shuffle_i32x4(x0, y0, 0xDD);
-    r[12 + c] = _mm512_shuffle_i32x4(x1, y1, 0xDD);
-  }
-}
-
 /// Lanes [0, count) of p widened to float bits, the rest zero.
 template <class W>
 KVDECODE_TARGET_AVX512 inline __m512i load_widened_avx512(const W* p, std::size_t count) {
@@ -116,30 +91,10 @@ KVDECODE_TARGET_AVX512 inline void pack_panel_avx512(float* panel, const W* w, s
       __m512i r[16];  // r[j]: weight row j0 + j, depths [k0, k0 + 16)
       for (std::size_t j = 0; j < 16; ++j)
         r[j] = j < jn ? load_widened_avx512(w + (j0 + j) * in + k0, kn) : _mm512_setzero_si512();
-      transpose_16x16_epi32(r);  // r[k]: depth k0 + k, weight rows [j0, j0 + 16)
+      transpose_16x16(r);  // r[k]: depth k0 + k, weight rows [j0, j0 + 16)
       for (std::size_t k = 0; k < kn; ++k)
         _mm512_storeu_si512(panel + (k0 + k) * kPanelRows + j0, r[k]);
     }
-  }
-}
-
-/// r [8] rows of 8 floats, transposed in place.
-KVDECODE_TARGET_AVX2 inline void transpose_8x8_avx2(__m256 r[8]) {
-  __m256 t[8];
-  for (int i = 0; i < 4; ++i) {
-    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  }
-  __m256 u[8];  // u[4i + c], 128-bit lane L: column 4L + c of rows 4i .. 4i + 3
-  for (int i = 0; i < 2; ++i) {
-    u[4 * i + 0] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
-    u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
-    u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
-    u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
-  }
-  for (int c = 0; c < 4; ++c) {
-    r[c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x20);
-    r[4 + c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x31);
   }
 }
 
@@ -167,7 +122,7 @@ KVDECODE_TARGET_AVX2 inline void pack_panel_avx2(float* panel, const W* w, std::
       __m256 r[8];  // r[j]: weight row j0 + j, depths [k0, k0 + 8)
       for (std::size_t j = 0; j < 8; ++j)
         r[j] = j < jn ? load8_widened_avx2(w + (j0 + j) * in + k0) : _mm256_setzero_ps();
-      transpose_8x8_avx2(r);  // r[k]: depth k0 + k, weight rows [j0, j0 + 8)
+      transpose_8x8(r);  // r[k]: depth k0 + k, weight rows [j0, j0 + 8)
       for (std::size_t k = 0; k < 8; ++k)
         _mm256_storeu_ps(panel + (k0 + k) * kPanelRows + j0, r[k]);
     }
