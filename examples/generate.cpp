@@ -142,15 +142,15 @@ void declare(CLI::App& app, Options& o) {
       ->group(text);
   app.add_option("-n,--n-predict", o.n,
                  "tokens to generate; -1: until the context ends (with --window: until BOS, a "
-                 "stop string or Ctrl-C). Stops earlier at BOS (EOS for a gpt2 vocabulary) or a "
-                 "full cache. Not given: 256, "
+                 "stop string or Ctrl-C). Stops earlier at BOS (and at EOS for a GGUF vocabulary; "
+                 "a gpt2 vocabulary only at EOS) or a full cache. Not given: 256, "
                  "then on to the end of the line in progress (a verse of the KJV model; at most "
                  "128 tokens more) unless --ignore-bos")
       ->check(number<std::int64_t>(1, std::numeric_limits<std::int64_t>::max(), -1))
       ->capture_default_str()
       ->group(text);
   app.add_flag("--ignore-bos", o.ignore_bos,
-               "go on after a BOS token (EOS for a gpt2 vocabulary; not printed) instead of "
+               "go on after a BOS token (or a GGUF vocabulary's EOS; not printed) instead of "
                "ending the text, so that exactly N tokens are generated (benchmarks, tests)")
       ->group(text);
   app.add_option("--stop", o.stop, "stop string: the text ends before it (repeatable)")
@@ -632,7 +632,7 @@ int generate_with(const Run& run, const kvdecode::Model<float, W>& model, S& cac
   const Options& o = run.o;
   const ModelConfig& cfg = model.config();
   const Vocabulary& vocabulary = run.src.vocabulary;
-  const std::int32_t end_id = vocabulary.specials().end_id;
+  const SpecialTokens& specials = vocabulary.specials();
   const std::vector<std::int32_t>& prompt = run.prompt;
   Activations<float> act(
       cfg, {.max_chunk = chunk, .store_scratch = cache.block_scratch_size(), .thread_pool = &pool});
@@ -662,7 +662,6 @@ int generate_with(const Run& run, const kvdecode::Model<float, W>& model, S& cac
   // Echo the prompt: every piece after BOS (when the vocabulary adds one), whole UTF-8
   // characters only.
   TextStream echo;
-  const SpecialTokens& specials = vocabulary.specials();
   const std::size_t first = !prompt.empty() && prompt[0] == specials.bos_id ? 1 : 0;
   for (std::size_t i = first; i < prompt.size(); ++i)
     write_out(echo.push(vocabulary.shown_text(i > 0 ? prompt[i - 1] : -1, prompt[i])));
@@ -681,8 +680,8 @@ int generate_with(const Run& run, const kvdecode::Model<float, W>& model, S& cac
     counters = WorkCounters{};
   };
   // Each token: shown through the TextStream (whole UTF-8 characters, the text before a stop
-  // string; the vocabulary's end token, BOS as in run.c or a gpt2 vocabulary's EOS, ends the
-  // text, or is skipped with --ignore-bos). Without -n (and
+  // string; the vocabulary's end tokens, BOS as in run.c, a GGUF vocabulary's EOS, end the
+  // text, or are skipped with --ignore-bos). Without -n (and
   // --ignore-bos) the text ends at a line end once n tokens are out: the first piece past n that
   // ends in a newline stops it (the newline printed after the text is that one), at most
   // kLineOvershoot tokens past n.
@@ -699,7 +698,7 @@ int generate_with(const Run& run, const kvdecode::Model<float, W>& model, S& cac
   const auto on_token = [&](std::int32_t token) {
     if (compare) emitted.push_back(token);
     ++tokens_seen;
-    if (token != end_id) {
+    if (!specials.ends(token)) {
       const std::string_view piece = vocabulary.shown_text(prev, token);
       ended_line =
           finish_line && tokens_seen > static_cast<std::size_t>(o.n) && piece.ends_with('\n');
@@ -712,7 +711,7 @@ int generate_with(const Run& run, const kvdecode::Model<float, W>& model, S& cac
   go.max_new_tokens = o.n < 0       ? std::numeric_limits<std::size_t>::max()
                       : finish_line ? static_cast<std::size_t>(o.n) + kLineOvershoot
                                     : static_cast<std::size_t>(o.n);
-  go.stop_token = o.ignore_bos ? -1 : end_id;
+  if (!o.ignore_bos) go.stop_tokens = specials.end_tokens();
   go.use_cache = !o.no_cache;
   go.speculation = speculation;
   const GenerationStats st = generate(model, cache, act, std::span(prompt).subspan(from_file),
@@ -737,11 +736,14 @@ int generate_with(const Run& run, const kvdecode::Model<float, W>& model, S& cac
   std::fprintf(out, "load               %.2f ms (weights and tokenizer)\n", run.src.load_ms);
   const Vocabulary& vocab = run.src.vocabulary;
   const SpecialTokens& sp = vocab.specials();
-  std::fprintf(out, "vocabulary         %s, %lld tokens, BOS %d%s, EOS %d; a text ends at %d\n",
+  std::string ends;
+  for (const std::int32_t id : sp.end_tokens())
+    ends += (ends.empty() ? "" : " or ") + std::to_string(id);
+  std::fprintf(out, "vocabulary         %s, %lld tokens, BOS %d%s, EOS %d; a text ends at %s\n",
                vocab.kind() == Vocabulary::Kind::kBytePairs ? "gpt2 (byte-level BPE)"
                                                             : "llama (SentencePiece)",
                ll(vocab.vocab_size()), sp.bos_id, sp.add_bos ? " (put first)" : "", sp.eos_id,
-               sp.end_id);
+               ends.empty() ? "no token" : ends.c_str());
   const bool amx =
       std::is_same_v<W, bf16> && active_kernel_set() == KernelSet::kAvx512Bf16 && amx_enabled();
   const std::string panels = model.amx_panel_bytes() > 0
@@ -787,7 +789,7 @@ int generate_with(const Run& run, const kvdecode::Model<float, W>& model, S& cac
                g_interrupted    ? " (interrupted)"
                : text.stopped() ? " (stop string)"
                : st.hit_stop_token
-                   ? (end_id == specials.eos_id ? " (stopped at EOS)" : " (stopped at BOS)")
+                   ? (prev == specials.eos_id ? " (stopped at EOS)" : " (stopped at BOS)")
                : st.hit_capacity ? " (cache full)"
                : ended_line      ? " (end of line)"
                                  : "");
@@ -867,7 +869,7 @@ int chat_with(const Run& run, const kvdecode::Model<float, W>& model, S& cache,
   const Options& o = run.o;
   const ModelConfig& cfg = model.config();
   const Vocabulary& vocabulary = run.src.vocabulary;
-  const std::int32_t end_id = vocabulary.specials().end_id;
+  const SpecialTokens& specials = vocabulary.specials();
   Activations<float> act(
       cfg, {.max_chunk = chunk, .store_scratch = cache.block_scratch_size(), .thread_pool = &pool});
   SamplerOptions so{o.temperature, o.top_p, o.top_k, run.seed};
@@ -878,7 +880,7 @@ int chat_with(const Run& run, const kvdecode::Model<float, W>& model, S& cache,
   GenerationOptions go;
   go.max_new_tokens =
       o.n < 0 ? std::numeric_limits<std::size_t>::max() : static_cast<std::size_t>(o.n);
-  go.stop_token = o.ignore_bos ? -1 : end_id;
+  if (!o.ignore_bos) go.stop_tokens = specials.end_tokens();
   go.speculation = speculation;
   std::optional<std::int32_t> last;  // the last answer's final token, sampled but not yet fed
   std::string line;
@@ -897,7 +899,7 @@ int chat_with(const Run& run, const kvdecode::Model<float, W>& model, S& cache,
     std::int32_t prev = tokens.back();
     TextStream text(o.stop);
     const auto on_token = [&](std::int32_t token) {
-      if (token != end_id) write_out(text.push(vocabulary.shown_text(prev, token)));
+      if (!specials.ends(token)) write_out(text.push(vocabulary.shown_text(prev, token)));
       prev = token;
       last = token;
       return !text.stopped() && g_interrupted == 0;

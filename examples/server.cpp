@@ -304,7 +304,7 @@ struct Generation {
     }
     tokens.push_back(token);
     std::string out;
-    if (token != server.vocabulary.specials().end_id)
+    if (!server.vocabulary.specials().ends(token))
       out = std::string(text.push(server.piece(prev, token)));
     prev = token;
     if (text.stopped()) {
@@ -335,8 +335,8 @@ void serve_generation(Server& s, httplib::Response& res, std::vector<std::int32_
   req.prompt = std::move(prompt);
   req.sampling = sp.sampler;
   req.max_tokens = sp.max_tokens;
-  // The vocabulary's end token: BOS for llama2.c's conventions, a gpt2 vocabulary's EOS.
-  if (const std::int32_t end = s.vocabulary.specials().end_id; end >= 0) req.stop_tokens = {end};
+  // The vocabulary's end tokens: BOS for llama2.c's conventions, a GGUF vocabulary's EOS.
+  req.stop_tokens = s.vocabulary.specials().end_tokens();
   std::vector<std::string> stop = sp.stop;
   if (chat) {
     // One verse per turn: a token holding a newline ends the answer.
@@ -359,7 +359,7 @@ void serve_generation(Server& s, httplib::Response& res, std::vector<std::int32_
   const auto remember_answer = [&s, chat](const std::string& text, const Generation& g) {
     if (!chat) return;
     std::vector<std::int32_t> t = g.tokens;
-    if (!t.empty() && t.back() == s.vocabulary.specials().end_id) t.pop_back();
+    if (!t.empty() && s.vocabulary.specials().ends(t.back())) t.pop_back();
     // The next turn's template puts a newline token after the answer: one ends it already
     // when a newline stopped it.
     if (t.empty() ||

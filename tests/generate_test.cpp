@@ -358,7 +358,17 @@ TEST(GenerateTest, StopsAtStopTokenCallbackAndCapacity) {
   EXPECT_EQ(got.back(), greedy_tokens[2]);
   EXPECT_LE(got.size(), 3u);  // stops at the first occurrence of the stop token
 
+  // Any token of stop_tokens ends it too, at the first occurrence of either.
   opt.stop_token = -1;
+  opt.stop_tokens = {greedy_tokens[6], greedy_tokens[4]};
+  std::tie(st, got) = run(opt, 100);
+  const auto first_stop = std::find_if(greedy_tokens.begin(), greedy_tokens.end(), [&](auto t) {
+    return t == greedy_tokens[4] || t == greedy_tokens[6];
+  });
+  EXPECT_TRUE(st.hit_stop_token);
+  EXPECT_EQ(got, Tokens(greedy_tokens.begin(), first_stop + 1));
+  opt.stop_tokens.clear();
+
   std::tie(st, got) = run(opt, 3);
   EXPECT_EQ(got.size(), 3u);
   EXPECT_EQ(Tokens(greedy_tokens.begin(), greedy_tokens.begin() + 3), got);

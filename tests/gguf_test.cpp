@@ -385,7 +385,7 @@ TEST(GgufBpeModelTest, LoadModelGivesTheGpt2Vocabulary) {
   EXPECT_EQ(v->specials().bos_id, bos);
   EXPECT_EQ(v->specials().eos_id, eos);
   EXPECT_FALSE(v->specials().add_bos);
-  EXPECT_EQ(v->specials().end_id, eos);
+  EXPECT_EQ(v->specials().end_tokens(), std::vector<std::int32_t>{static_cast<std::int32_t>(eos)});
   for (const auto& [text, ids] : cases) {
     if (ids.empty()) continue;
     EXPECT_EQ(v->encode_prompt(text), ids) << "'" << text << "'";
@@ -443,7 +443,7 @@ TEST(GgufBpeModelTest, RefusesAVocabularyOfAnotherSize) {
                               "vocab_size (rows of token_embd.weight) is 512")));
 }
 
-TEST(GgufModelTest, TakeVocabularyOfALlamaFileKeepsRunCsConventions) {
+TEST(GgufModelTest, TakeVocabularyOfALlamaFileKeepsRunCsConventionsAndEndsAtEos) {
   LoadedModel<float> loaded = load_model(gguf("f32"));
   EXPECT_FALSE(loaded.bpe_vocabulary.has_value());
   const std::optional<Vocabulary> v = take_vocabulary(loaded);
@@ -452,7 +452,12 @@ TEST(GgufModelTest, TakeVocabularyOfALlamaFileKeepsRunCsConventions) {
   EXPECT_EQ(v->specials().bos_id, 1);
   EXPECT_EQ(v->specials().eos_id, 2);
   EXPECT_TRUE(v->specials().add_bos);  // the converter writes add_bos_token true
-  EXPECT_EQ(v->specials().end_id, 1);  // run.c stops at BOS
+  // run.c stops at BOS; a chat model's answer ends at EOS, where llama.cpp stops.
+  EXPECT_EQ(v->specials().end_tokens(), (std::vector<std::int32_t>{1, 2}));
+  EXPECT_TRUE(v->specials().ends(1));
+  EXPECT_TRUE(v->specials().ends(2));
+  EXPECT_FALSE(v->specials().ends(0));
+  EXPECT_FALSE(v->specials().ends(-1));
   EXPECT_EQ(v->encode_prompt(read_text(tiny_dir() / "prompt.txt")),
             read_ids(tiny_dir() / "prompt_ids.txt"));
   LoadedModel<float> checkpoint = load_model(tiny_dir() / "model.bin");

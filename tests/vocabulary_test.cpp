@@ -50,21 +50,21 @@ Tokenizer run_c_layout() {
 }
 
 TEST(VocabularyTest, BytePairsFollowTheirSpecialTokens) {
-  const Vocabulary v(byte_level(256, 256), {256, 256, false, false, 256});
+  const Vocabulary v(byte_level(256, 256), {256, 256, false, false, {256, -1}});
   EXPECT_EQ(v.kind(), Vocabulary::Kind::kBytePairs);
   EXPECT_EQ(v.vocab_size(), 257);
   // No BOS added: one token per byte of the text.
   EXPECT_EQ(v.encode_prompt("Hi!"), (std::vector<std::int32_t>{'H', 'i', '!'}));
   EXPECT_EQ(v.encode_prompt(""), std::vector<std::int32_t>{256});
-  const Vocabulary with_bos(byte_level(256, 256), {256, 256, true, false, 256});
+  const Vocabulary with_bos(byte_level(256, 256), {256, 256, true, false, {256, -1}});
   EXPECT_EQ(with_bos.encode_prompt("Hi"), (std::vector<std::int32_t>{256, 'H', 'i'}));
-  const Vocabulary no_bos(byte_level(-1, 256), {-1, 256, false, false, 256});
+  const Vocabulary no_bos(byte_level(-1, 256), {-1, 256, false, false, {256, -1}});
   EXPECT_THAT(error_of([&] { no_bos.encode_prompt(""); }),
               HasSubstr("the prompt is empty and the vocabulary has no BOS token"));
 }
 
 TEST(VocabularyTest, ShownTextIsTheBytesForBytePairsAndRunCsRuleForSentencePiece) {
-  const Vocabulary bpe(byte_level(256, 256), {256, 256, false, false, 256});
+  const Vocabulary bpe(byte_level(256, 256), {256, 256, false, false, {256, -1}});
   // A lone control byte and a lone byte >= 0x80 are text like any other.
   const std::int32_t bell = 0x07, high = 0xE9;
   EXPECT_EQ(bpe.shown_text(-1, bell), "\x07");
@@ -73,7 +73,9 @@ TEST(VocabularyTest, ShownTextIsTheBytesForBytePairsAndRunCsRuleForSentencePiece
 
   const Vocabulary spm(run_c_layout());
   EXPECT_EQ(spm.kind(), Vocabulary::Kind::kSentencePiece);
-  EXPECT_EQ(spm.specials().end_id, Tokenizer::kBos);
+  EXPECT_EQ(spm.specials().end_tokens(), std::vector<std::int32_t>{Tokenizer::kBos});
+  EXPECT_TRUE(spm.specials().ends(Tokenizer::kBos));
+  EXPECT_FALSE(spm.specials().ends(Tokenizer::kEos));                 // run.c goes on past EOS
   EXPECT_EQ(spm.shown_text(5, Tokenizer::kByteIdOffset + bell), "");  // run.c's safe_printf
   EXPECT_EQ(spm.shown_text(5, Tokenizer::kByteIdOffset + high), "\xE9");
   EXPECT_EQ(spm.shown_text(5, Tokenizer::kByteIdOffset + 'A'), "A");
@@ -82,15 +84,15 @@ TEST(VocabularyTest, ShownTextIsTheBytesForBytePairsAndRunCsRuleForSentencePiece
 
 TEST(VocabularyTest, RefusesSpecialTokensTheTokenizerDoesNotHave) {
   EXPECT_THAT(error_of([] {
-                Vocabulary(byte_level(256, 256), {5, 256, false, false, 256});
+                Vocabulary(byte_level(256, 256), {5, 256, false, false, {256, -1}});
               }),
               HasSubstr("BOS 5 is not the tokenizer's 256"));
   EXPECT_THAT(error_of([] {
-                Vocabulary(byte_level(256, 256), {256, 256, false, false, 300});
+                Vocabulary(byte_level(256, 256), {256, 256, false, false, {300, -1}});
               }),
               HasSubstr("end token 300 is outside the vocabulary [0, 257)"));
   EXPECT_THAT(error_of([] {
-                Vocabulary(byte_level(-1, 256), {-1, 256, true, false, 256});
+                Vocabulary(byte_level(-1, 256), {-1, 256, true, false, {256, -1}});
               }),
               HasSubstr("add_bos without a BOS token"));
   EXPECT_THAT(error_of([] {

@@ -26,9 +26,11 @@ namespace kvdecode {
 
 struct GenerationOptions {
   std::size_t max_new_tokens = 256;
-  /// Generation ends after emitting this token (llama2.c's run.c stops at BOS = 1); -1 = none,
+  /// Generation ends after emitting this token (llama2.c's run.c stops at BOS = 1) or any of
+  /// stop_tokens (a vocabulary's SpecialTokens::end_tokens()); -1 and an empty list = none,
   /// which keeps going past every token so that exactly max_new_tokens are generated.
   std::int32_t stop_token = -1;
+  std::vector<std::int32_t> stop_tokens{};
   /// false re-runs the full forward (prefill of every token so far into an emptied store) for
   /// each new token: the same tokens at the cost a KV cache removes.
   bool use_cache = true;
@@ -240,7 +242,8 @@ GenerationStats generate(const Model<T, W>& model, S& cache, Activations<T>& act
     } else {
       on_token(token);
     }
-    if (token == options.stop_token) {
+    if (token == options.stop_token ||
+        std::ranges::find(options.stop_tokens, token) != options.stop_tokens.end()) {
       stats.hit_stop_token = true;
       go_on = false;
     }

@@ -221,14 +221,16 @@ inline GgufBpeVocabulary gguf_bpe_vocabulary(const GgufFile& g) {
 }
 
 /// A "llama" vocabulary as a Vocabulary: add_bos and add_eos as stored; BOS 1, EOS 2 (checked
-/// by gguf_vocabulary()); a generated BOS ends the text, as run.c (and this library for
-/// llama2.c checkpoints) stops.
+/// by gguf_vocabulary()). A generated EOS ends the text (a chat model's answer ends there, and
+/// llama.cpp stops), and so does BOS, as run.c (and this library for llama2.c checkpoints)
+/// stops: a file converted from a llama2.c checkpoint ends its texts as the checkpoint does.
 inline Vocabulary to_vocabulary(GgufVocabulary v) {
   SpecialTokens s = SpecialTokens::run_c();
   s.bos_id = v.bos_id;
   s.eos_id = v.eos_id;
   s.add_bos = v.add_bos;
   s.add_eos = v.add_eos;
+  s.end_ids = {v.bos_id, v.eos_id};
   return Vocabulary(std::move(v.tokenizer), s);
 }
 
@@ -236,8 +238,8 @@ inline Vocabulary to_vocabulary(GgufVocabulary v) {
 /// only where add_bos says so; llama.cpp's default for gpt2 is none); a generated EOS (GPT-2's
 /// <|endoftext|>) ends the text, or nothing does when the vocabulary has no EOS.
 inline Vocabulary to_vocabulary(GgufBpeVocabulary v) {
-  const SpecialTokens s{v.tokenizer.bos_id(), v.tokenizer.eos_id(), v.add_bos, v.add_eos,
-                        v.tokenizer.eos_id()};
+  const SpecialTokens s{
+      v.tokenizer.bos_id(), v.tokenizer.eos_id(), v.add_bos, v.add_eos, {v.tokenizer.eos_id(), -1}};
   return Vocabulary(std::move(v.tokenizer), s);
 }
 

@@ -4,6 +4,7 @@
 // call visits the tokenizer it holds (no virtual calls, one copy of the generation loop).
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <optional>
 #include <string_view>
@@ -24,14 +25,28 @@ struct SpecialTokens {
   std::int32_t eos_id = -1;
   bool add_bos = false;  ///< a prompt starts with BOS
   bool add_eos = false;  ///< as stored (tokenizer.ggml.add_eos_token); prompts get no EOS
-  /// The token that ends a generated text (not shown): EOS for GGUF "gpt2" vocabularies; BOS for
-  /// llama2.c's conventions, as run.c stops (its models separate training texts with BOS).
-  std::int32_t end_id = -1;
+  /// The tokens that end a generated text (not shown), -1 where unused: BOS for llama2.c's
+  /// conventions, as run.c stops (its models separate training texts with BOS); BOS and EOS for a
+  /// GGUF "llama" vocabulary (a chat model ends its answer with EOS, where llama.cpp stops); EOS
+  /// for a GGUF "gpt2" vocabulary (<|endoftext|>).
+  std::array<std::int32_t, 2> end_ids{-1, -1};
 
-  /// run.c's: BOS 1 first, EOS 2, a generated BOS ends the text. Used for tokenizer.bin, the
-  /// demo vocabulary and GGUF "llama" vocabularies (whose layout is checked to be llama2.c's).
+  /// Whether a generated `token` ends the text.
+  constexpr bool ends(std::int32_t token) const {
+    return token >= 0 && (token == end_ids[0] || token == end_ids[1]);
+  }
+  /// The end tokens in use, as a stop list (GenerationOptions::stop_tokens, Request::stop_tokens).
+  std::vector<std::int32_t> end_tokens() const {
+    std::vector<std::int32_t> out;
+    for (const std::int32_t id : end_ids)
+      if (id >= 0 && (out.empty() || out[0] != id)) out.push_back(id);
+    return out;
+  }
+
+  /// run.c's: BOS 1 first, EOS 2, a generated BOS ends the text. Used for tokenizer.bin and the
+  /// demo vocabulary.
   static constexpr SpecialTokens run_c() {
-    return {Tokenizer::kBos, Tokenizer::kEos, true, false, Tokenizer::kBos};
+    return {Tokenizer::kBos, Tokenizer::kEos, true, false, {Tokenizer::kBos, -1}};
   }
 };
 
@@ -118,7 +133,7 @@ class Vocabulary {
   void check(const SpecialTokens& s) const {
     const std::int64_t n = vocab_size();
     const std::pair<const char*, std::int32_t> ids[] = {
-        {"BOS", s.bos_id}, {"EOS", s.eos_id}, {"end", s.end_id}};
+        {"BOS", s.bos_id}, {"EOS", s.eos_id}, {"end", s.end_ids[0]}, {"end", s.end_ids[1]}};
     for (const auto& [what, id] : ids) {
       KVDECODE_CHECK(id >= -1 && id < n, "Vocabulary: ", what, " token ", id,
                      " is outside the vocabulary [0, ", n, ")");
