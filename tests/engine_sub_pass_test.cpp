@@ -22,9 +22,9 @@ namespace {
 using Tokens = std::vector<std::int32_t>;
 
 /// The sum the planner minimises, for the split after the given items (ascending, the last one
-/// the item count), simulated pass by pass: each pass lasts fixed + token × its tokens; a prompt
-/// waits until its pass ends, the decoders until the first one ends, the rest and the waiting
-/// until the last one ends.
+/// the item count), simulated pass by pass: each pass lasts fixed + token × its tokens (the
+/// decoders' in the first); a prompt waits until its pass ends, the decoders, the rest and the
+/// waiting until the last one ends.
 double timeline_cost(const SubPassWork& w, const std::vector<std::size_t>& ends, PassCost c) {
   const std::size_t n = w.prompts.size();
   double t = 0, sum = 0;
@@ -33,11 +33,10 @@ double timeline_cost(const SubPassWork& w, const std::vector<std::size_t>& ends,
     std::size_t tokens = g == 0 ? w.decoders : 0;
     for (std::size_t i = begin; i < ends[g]; ++i) tokens += i < n ? w.prompts[i] : w.rest_tokens;
     t += c.fixed_ms + c.token_ms * static_cast<double>(tokens);
-    if (g == 0) sum += t * static_cast<double>(w.decoders);
     for (std::size_t i = begin; i < std::min(ends[g], n); ++i) sum += t;
     begin = ends[g];
   }
-  return sum + t * static_cast<double>(w.waiting);
+  return sum + t * static_cast<double>(w.waiting + w.decoders);
 }
 
 TEST(SubPassPlannerTest, PlanIsTheCheapestOfEverySplit) {

@@ -15,9 +15,10 @@
 namespace kvdecode {
 
 /// The work of one step, in run order: `decoders` decoding sequences (one token each; they ride
-/// in the first sub-pass), then the sequences whose prompt completes this step (each samples its
-/// first token after its sub-pass), then `rest_tokens` of prompt chunks that do not complete
-/// (they end the step, alone or in the last sub-pass).
+/// in the first sub-pass, but their next token waits for the step's end whichever pass
+/// publishes this one, so they count as waiting for the end), then the sequences whose prompt
+/// completes this step (each samples its first token after its sub-pass), then `rest_tokens` of
+/// prompt chunks that do not complete (they end the step, alone or in the last sub-pass).
 struct SubPassWork {
   std::size_t decoders = 0;
   std::span<const std::size_t> prompts{};  ///< [n] tokens of each completing prompt, run order
@@ -28,10 +29,11 @@ struct SubPassWork {
 };
 
 /// Chooses the sub-passes of a step that minimise the sum, over every sequence and request
-/// touched by the step, of the time until it gets something: a token at the end of its sub-pass
-/// for the decoders and the completing prompts, the end of the step for the rest. Sub-passes only
-/// end after a completing prompt (a decode token alone never pays for another pass), so a step
-/// without completing prompts is one pass. An exact dynamic programme over the split points:
+/// the engine holds, of the time it waits on the step: a completing prompt until its first
+/// token (the end of its sub-pass), every other one until the end of the step (the earliest its
+/// next token or row can come). Sub-passes only end after a completing prompt, so a step without
+/// completing prompts is one pass, and each extra pass must save the first tokens before it more
+/// than its fixed cost delays everyone after it. An exact dynamic programme over the split points:
 /// O(n²) for n completing prompts; allocates nothing after construction.
 class SubPassPlanner {
  public:
@@ -64,8 +66,7 @@ class SubPassPlanner {
       for (std::size_t i = j; i-- > 0;) {  // sub-pass [i, j), grown backwards
         tokens += tokens_of(i);
         const std::size_t served_before = std::min(i, n);  // prompts already given a token
-        const std::size_t pending =
-            (n - served_before) + work.waiting + (i == 0 ? work.decoders : 0);
+        const std::size_t pending = (n - served_before) + work.waiting + work.decoders;
         const double c = best_[i] + cost.of(tokens + (i == 0 ? work.decoders : 0)) *
                                         static_cast<double>(pending);
         if (c <= best_[j]) {  // ties: the larger sub-pass (fewer passes)
