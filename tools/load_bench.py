@@ -300,7 +300,8 @@ def main():
                     help="run the clients with this binary (bench/load_client) instead of "
                          "Python threads; --prefix-restart's single requests stay in Python")
     ap.add_argument("--server-args", default="", metavar="ARGS",
-                    help="more arguments for every server started, e.g. --server-args=--no-sub-passes")
+                    help="more arguments for every server started, "
+                         "e.g. --server-args=--no-sub-passes")
     ap.add_argument("--prefix-restart", action="store_true",
                     help="measure TTFT cold / after a restart on a --prefix-dir / in memory")
     opts = ap.parse_args()
