@@ -59,6 +59,7 @@ struct Options {
   std::size_t http_threads = 64;
   std::size_t max_body_bytes = 1 << 20;
   bool no_prefix_cache = false;
+  bool no_sub_passes = false;
   std::string prefix_dir;  // "" = the prefix cache is in memory only
   std::uint64_t prefix_max_bytes = std::uint64_t{1} << 30;
   bool prefix_max_bytes_given = false;
@@ -109,6 +110,8 @@ void declare(CLI::App& app, Options& o) {
       ->check(number<std::size_t>(16, std::size_t{1} << 30))
       ->capture_default_str();
   app.add_flag("--no-prefix-cache", o.no_prefix_cache, "compute every prompt in full");
+  app.add_flag("--no-sub-passes", o.no_sub_passes,
+               "run each step as one pass (no early first tokens for prompts completing early)");
   app.add_option("--prefix-dir", o.prefix_dir,
                  "keep the prefix cache's blocks in files in DIR too (created if needed): blocks "
                  "evicted from memory, and every cached block at shutdown; a restarted server "
@@ -487,6 +490,7 @@ json metrics_json(Server& s) {
           {"blocks_free", m.blocks_free},
           {"blocks_cached", m.blocks_cached},
           {"steps", m.steps},
+          {"passes", m.passes},
           {"requests_submitted", m.submitted},
           {"requests_finished", m.finished},
           {"requests_cancelled", m.cancelled},
@@ -593,7 +597,8 @@ int run(const Options& o) {
                                         .prefix_cache = !o.no_prefix_cache,
                                         .thread_pool = s.threads.get(),
                                         .prefix_dir = o.prefix_dir,
-                                        .prefix_max_bytes = o.prefix_max_bytes});
+                                        .prefix_max_bytes = o.prefix_max_bytes,
+                                        .sub_passes = !o.no_sub_passes});
   for (std::int32_t id = 0; id < cfg.vocab_size; ++id) {
     const std::string_view p = s.vocabulary.decode(0, id);
     if (p.find('\n') != std::string_view::npos) s.newline_ids.push_back(id);

@@ -236,6 +236,7 @@ def run(binary, name, args, opts, system):
         "server_itl_p50": m["itl"]["p50_ms"], "server_itl_p99": m["itl"]["p99_ms"],
         "server_ttft_p50": m["ttft"]["p50_ms"],
         "server_cpu": server_cpu, "client_cpu": client_cpu, "steps": m["steps"],
+        "passes": m.get("passes", m["steps"]),
     }
 
 
@@ -298,6 +299,9 @@ def main():
     ap.add_argument("--client", metavar="PATH",
                     help="run the clients with this binary (bench/load_client) instead of "
                          "Python threads; --prefix-restart's single requests stay in Python")
+    ap.add_argument("--server-args", default="", metavar="ARGS",
+                    help="more arguments for every server started, "
+                         "e.g. --server-args=--no-sub-passes")
     ap.add_argument("--prefix-restart", action="store_true",
                     help="measure TTFT cold / after a restart on a --prefix-dir / in memory")
     opts = ap.parse_args()
@@ -306,7 +310,7 @@ def main():
                  "load_client)" % opts.client)
     common = ["--threads", str(opts.threads), "--blocks", "2048", "--max-running",
               str(max(16, opts.clients)), "--step-tokens", "256",
-              "--http-threads", str(opts.clients + 8)]
+              "--http-threads", str(opts.clients + 8)] + opts.server_args.split()
     probe = Server(opts.server, common)
     try:
         system, n_system = system_prompt(probe.port, opts.system_tokens, opts.timeout)
@@ -369,8 +373,10 @@ def main():
            else "n/a" for rows in runs]
     print("generated tokens per server CPU-second batched / one at a time, per run: %s" %
           ", ".join(cpu))
-    print("batched (prefix cache) tokens per step, per run: %s; its wall share of one core: %s" % (
+    print("batched (prefix cache) tokens per step, per run: %s; model passes per step: %s; its "
+          "wall share of one core: %s" % (
         ", ".join("%.1f" % (rows[0]["tokens"] / rows[0]["steps"]) for rows in runs),
+        ", ".join("%.2f" % (rows[0]["passes"] / rows[0]["steps"]) for rows in runs),
         ", ".join("%.0f%%" % (100 * rows[0]["server_cpu"] / rows[0]["wall_s"]) for rows in runs)))
     return 1 if failed else 0
 

@@ -16,6 +16,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <stop_token>
 #include <string>
@@ -27,8 +28,10 @@
 #include "kvdecode/model/activations.hpp"
 #include "kvdecode/model/model.hpp"
 #include "kvdecode/serving/engine_metrics.hpp"
+#include "kvdecode/serving/pass_cost_model.hpp"
 #include "kvdecode/serving/prefix_tier.hpp"
 #include "kvdecode/serving/request.hpp"
+#include "kvdecode/serving/sub_pass_planner.hpp"
 #include "kvdecode/store/block_pool.hpp"
 #include "kvdecode/store/paged_store.hpp"
 #include "kvdecode/thread_pool.hpp"
@@ -56,6 +59,12 @@ struct EngineOptions {
   /// The most bytes of block files kept in prefix_dir, least recently used removed first; at
   /// least one block file (PrefixTier<T>::file_bytes_for).
   std::uint64_t prefix_max_bytes = std::uint64_t{1} << 30;
+  /// Split a step into sub-passes so that prompts completing early publish their first token
+  /// early (SubPassPlanner); false: one pass per step.
+  bool sub_passes = true;
+  /// The pass cost the sub-passes are planned with; empty: learned from the step's own passes
+  /// (PassCostModel), one pass per step until it has an estimate.
+  std::optional<PassCost> pass_cost{};
 };
 
 /// A serving engine over one Model and one BlockPool that it owns.
@@ -74,9 +83,13 @@ struct EngineOptions {
 ///     their whole remaining prompt are left; an admitted request starts from the longest
 ///     cached prefix of its tokens (PagedStore::open), so a conversation's next turn and a
 ///     shared system prompt are computed once;
-///  4. runs everything planned as one Model::prefill_batch pass (each weight read once), then
-///     samples the next token of every sequence whose tokens are all computed (each sequence
-///     has its own Sampler, so the draws are shared out on the step's threads).
+///  4. runs what is planned in one or more Model::prefill_batch passes (each reads every weight
+///     once): the decoding sequences and the prompts that complete this step go first, shortest
+///     first, then the chunks of prompts that do not; SubPassPlanner splits that order where the
+///     earlier first tokens are worth another pass's fixed cost (PassCost, measured from the
+///     engine's own passes unless given). After each pass, the next token of every sequence in
+///     it whose tokens are all computed is sampled (each sequence has its own Sampler, so the
+///     draws are shared out on the step's threads) and pushed to its stream at once.
 /// A sequence's sampler lives as long as its request and only advances when it samples, so a
 /// preempted request produces what it would have produced alone.
 ///
@@ -85,9 +98,9 @@ struct EngineOptions {
 /// every cached block it evicts; the engine only counts what came from disk and, when it is
 /// destroyed (or on flush_prefix_tier()), offers it every block still cached in memory.
 ///
-/// No allocation in a step that admits nothing: the batch lists are reserved for max_running
-/// and step_tokens, a stream's token list for its max_tokens. (A tier allocates when a step
-/// evicts a cached block, to write its file.)
+/// No allocation in a step that admits nothing: the batch lists and the planner are reserved for
+/// max_running and step_tokens, a stream's token list for its max_tokens. (A tier allocates when a
+/// step evicts a cached block, to write its file.)
 template <class T, class W = T>
 class Engine {
  public:
@@ -105,12 +118,14 @@ class Engine {
         act_(model.config(), {.max_chunk = options_.step_tokens,
                               .max_batch = options_.max_running,
                               .thread_pool = options_.thread_pool}),
-        wake_(std::make_shared<detail::WakeSignal>()) {
+        wake_(std::make_shared<detail::WakeSignal>()),
+        planner_(options_.max_running) {
     running_.reserve(options_.max_running);
     batch_.reserve(options_.max_running);
     sampling_.reserve(options_.max_running);
     stores_.reserve(options_.max_running);
     lengths_.reserve(options_.max_running);
+    prompt_rows_.reserve(options_.max_running);
     batch_tokens_.reserve(options_.step_tokens);
     // Attached last, so that a throw above leaves no tier pointing to a destroyed pool.
     if (tier_) tier_->attach(pool_);
@@ -245,7 +260,9 @@ class Engine {
     // tokens.size() at the latest admission: rows below it are prompt (or recomputed) rows.
     std::size_t target = 0;
     bool admitted_before = false;
-    bool planned = false;  // in the current step's batch
+    bool planned = false;       // in the current step's batch
+    std::size_t rows = 0;       // tokens it runs this step, when planned
+    std::size_t plan_rank = 0;  // its place in the step's planning order
     bool done = false;
     RequestUsage usage;
     Clock::time_point submitted, last_token;
@@ -355,6 +372,8 @@ class Engine {
   void plan(Sequence& s, std::size_t n) {
     planned_blocks_ += blocks_needed(s, n);
     s.planned = true;
+    s.rows = n;
+    s.plan_rank = batch_.size();
     batch_.push_back(&s);
     stores_.push_back(&s.store);
     lengths_.push_back(n);
@@ -449,20 +468,101 @@ class Engine {
   // ---------------------------------------------------------------------------------------------
   // Running a step.
 
+  /// Where a planned sequence runs in the step: decoding, completing its prompt (it samples its
+  /// first token after its pass), or a prompt chunk that does not complete.
+  enum class Role { kDecoding, kCompleting, kChunk };
+  Role role(const Sequence& s) const {
+    if (s.store.size() >= s.target) return Role::kDecoding;
+    return s.store.size() + s.rows == s.tokens.size() ? Role::kCompleting : Role::kChunk;
+  }
+
+  /// Runs the step's planned work in the sub-passes SubPassPlanner chooses (one pass without
+  /// sub_passes or a cost estimate).
   void run_batch() {
+    const std::optional<PassCost> cost =
+        options_.pass_cost ? options_.pass_cost : cost_model_.estimate();
+    if (!options_.sub_passes || !cost) {
+      run_pass(0, batch_.size());
+    } else {
+      order_batch();
+      std::size_t decoders = 0, chunks = 0, rest_tokens = 0;
+      prompt_rows_.clear();
+      for (const Sequence* s : batch_) {
+        switch (role(*s)) {
+          case Role::kDecoding:
+            ++decoders;
+            break;
+          case Role::kCompleting:
+            prompt_rows_.push_back(s->rows);
+            break;
+          case Role::kChunk:
+            ++chunks;
+            rest_tokens += s->rows;
+        }
+      }
+      const std::size_t prompts = prompt_rows_.size();
+      const auto ends =
+          planner_.plan({.decoders = decoders,
+                         .prompts = prompt_rows_,
+                         .rest_tokens = rest_tokens,
+                         .waiting = chunks + (running_.size() - batch_.size()) + waiting_.size()},
+                        *cost);
+      // Item i < prompts is batch_[decoders + i]; the item after the prompts is every chunk.
+      std::size_t begin = 0;
+      for (const std::size_t end : ends) {
+        const std::size_t last = end > prompts ? batch_.size() : decoders + end;
+        run_pass(begin, last);
+        begin = last;
+      }
+    }
+    std::erase_if(running_, [](const auto& s) { return s->done; });
+  }
+
+  /// Puts batch_ in run order: decoding sequences, then completing prompts (fewest rows first),
+  /// then the chunks; planning order within each. stores_, lengths_ and batch_tokens_ follow.
+  void order_batch() {
+    std::sort(batch_.begin(), batch_.end(), [this](const Sequence* a, const Sequence* b) {
+      const Role ra = role(*a), rb = role(*b);
+      if (ra != rb) return ra < rb;
+      if (ra == Role::kCompleting && a->rows != b->rows) return a->rows < b->rows;
+      return a->plan_rank < b->plan_rank;
+    });
+    stores_.clear();
+    lengths_.clear();
+    batch_tokens_.clear();
+    for (Sequence* s : batch_) {
+      stores_.push_back(&s->store);
+      lengths_.push_back(s->rows);
+      const auto first = s->tokens.begin() + static_cast<std::ptrdiff_t>(s->store.size());
+      batch_tokens_.insert(batch_tokens_.end(), first,
+                           first + static_cast<std::ptrdiff_t>(s->rows));
+    }
+  }
+
+  /// One Model::prefill_batch pass over batch_[begin, end), then the draws of the sequences in
+  /// it whose tokens are all computed, pushed to their streams before the next pass starts.
+  void run_pass(std::size_t begin, std::size_t stop) {
+    std::size_t token_begin = 0, tokens = 0;
+    for (std::size_t b = 0; b < stop; ++b) (b < begin ? token_begin : tokens) += lengths_[b];
+    const std::size_t n = stop - begin;
+    const std::span<Sequence* const> seqs(batch_.data() + begin, n);
     std::span<const T> logits;
+    const Clock::time_point start = Clock::now();
     try {
-      logits = model_.prefill_batch(std::span<const std::int32_t>(batch_tokens_),
-                                    std::span<const std::size_t>(lengths_), stores_, act_);
+      logits = model_.prefill_batch(
+          std::span<const std::int32_t>(batch_tokens_).subspan(token_begin, tokens),
+          std::span<const std::size_t>(lengths_).subspan(begin, n),
+          std::span<PagedStore<T>* const>(stores_).subspan(begin, n), act_);
     } catch (const Error& e) {
-      // The pass left every store as it was; its requests cannot go on.
-      for (Sequence* s : batch_) end(*s, FinishReason::kError, e.what());
-      std::erase_if(running_, [](const auto& s) { return s->done; });
+      // The pass left its stores as they were; its requests cannot go on.
+      for (Sequence* s : seqs) end(*s, FinishReason::kError, e.what());
       return;
     }
+    cost_model_.add(tokens, ms_between(start, Clock::now()));
+    ++m_.passes;
     const auto vocab = static_cast<std::size_t>(model_.config().vocab_size);
     sampling_.clear();
-    for (std::size_t b = 0; b < batch_.size(); ++b) {
+    for (std::size_t b = begin; b < stop; ++b) {
       Sequence& s = *batch_[b];
       const std::size_t end_pos = s.store.size();
       const std::size_t first = end_pos - lengths_[b];
@@ -476,16 +576,16 @@ class Engine {
       }
       if (end_pos == s.tokens.size()) sampling_.push_back({b, 0});
     }
-    draw_tokens(logits, vocab);
+    draw_tokens(logits, begin, vocab);
     for (const Draw& d : sampling_) append_token(*batch_[d.batch_index], d.token);
-    std::erase_if(running_, [](const auto& s) { return s->done; });
   }
 
-  /// The next token of every sequence in sampling_, from its row of logits [B][vocab]. Each
+  /// The next token of every sequence in sampling_, from its row of the pass's logits
+  /// [B][vocab] (row batch_index - begin). Each
   /// sequence has its own Sampler (softmax, sort and generator state over the whole vocabulary),
   /// so the draws are shared out on the step's threads; the token of a sequence does not depend
   /// on which thread drew it.
-  void draw_tokens(std::span<const T> logits, std::size_t vocab) {
+  void draw_tokens(std::span<const T> logits, std::size_t begin, std::size_t vocab) {
     ThreadPool* const threads = sampling_.size() > 1 ? options_.thread_pool : nullptr;
     std::atomic<std::size_t> next{0};
     parallel_run(threads, [&](std::size_t, std::size_t) {
@@ -498,7 +598,7 @@ class Engine {
         const std::size_t last_n =
             so.repeat_penalty != 1.0 ? std::min(so.repeat_last_n, pool_.capacity()) : 0;
         const std::span<const std::int32_t> all(s.tokens);
-        d.token = s.sampler.sample(logits.subspan(d.batch_index * vocab, vocab),
+        d.token = s.sampler.sample(logits.subspan((d.batch_index - begin) * vocab, vocab),
                                    all.last(std::min(last_n, all.size())));
       }
     });
@@ -577,6 +677,9 @@ class Engine {
   std::vector<PagedStore<T>*> stores_;              // [≤ max_running] their stores
   std::vector<std::size_t> lengths_;                // [≤ max_running] tokens of each this step
   std::vector<std::int32_t> batch_tokens_;          // [≤ step_tokens] concatenated
+  std::vector<std::size_t> prompt_rows_;  // [≤ max_running] rows of the completing prompts
+  SubPassPlanner planner_;
+  PassCostModel cost_model_;
   struct Draw {
     std::size_t batch_index;  // the sequence's row in batch_ and in the step's logits
     std::int32_t token;       // what its sampler drew

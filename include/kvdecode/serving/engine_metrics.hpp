@@ -21,6 +21,7 @@ struct EngineMetrics {
 
   // Counters.
   std::uint64_t steps = 0;
+  std::uint64_t passes = 0;  ///< model passes run: a step's sub-passes count one each
   std::uint64_t submitted = 0;
   std::uint64_t finished = 0;  ///< ended by a stop token, max_tokens or the context
   std::uint64_t cancelled = 0;
