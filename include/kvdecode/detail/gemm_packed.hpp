@@ -88,9 +88,14 @@ KVDECODE_TARGET_AVX512 inline void pack_panel_avx512(float* panel, const W* w, s
     const std::size_t jn = std::min<std::size_t>(16, rows - j0);
     for (std::size_t k0 = 0; k0 < in; k0 += 16) {
       const std::size_t kn = std::min<std::size_t>(16, in - k0);
-      __m512i r[16];  // r[j]: weight row j0 + j, depths [k0, k0 + 16)
-      for (std::size_t j = 0; j < 16; ++j)
-        r[j] = j < jn ? load_widened_avx512(w + (j0 + j) * in + k0, kn) : _mm512_setzero_si512();
+      __m512i r[16];               // r[j]: weight row j0 + j, depths [k0, k0 + 16)
+      if (jn == 16 && kn == 16) {  // a whole block: plain loads
+        KVDECODE_UNROLL
+        for (std::size_t j = 0; j < 16; ++j) r[j] = load_widened_avx512(w + (j0 + j) * in + k0, 16);
+      } else {
+        for (std::size_t j = 0; j < 16; ++j)
+          r[j] = j < jn ? load_widened_avx512(w + (j0 + j) * in + k0, kn) : _mm512_setzero_si512();
+      }
       transpose_16x16(r);  // r[k]: depth k0 + k, weight rows [j0, j0 + 16)
       for (std::size_t k = 0; k < kn; ++k)
         _mm512_storeu_si512(panel + (k0 + k) * kPanelRows + j0, r[k]);
