@@ -165,12 +165,13 @@ TEST_P(KernelSetTest, GemmFewBf16EqualsEachTokensGemv) {
 
 // gemm_packed (prefill-sized projections where Eigen is narrower than the set): every output
 // within the f32 bound of a sum of `cols` products, f32 and bf16 weights (x rounded as
-// linear_group passes it), on a thread's slice of rows that spans panels and their tails;
+// linear_group passes it), on a thread's slice of rows that spans panels and their tails (last
+// panels of 1, 16, 32, 39 and 64 rows: each tile width), tokens in tiles and their tails;
 // columns outside the slice are not written.
 template <class W>
 void check_gemm_packed(KernelSet ks) {
   for (const std::size_t n : {17, 18, 23, 64})
-    for (const std::size_t rows : {1, 17, 64, 65, 130})
+    for (const std::size_t rows : {1, 17, 40, 64, 65, 97, 130})
       for (const std::size_t cols : {1, 9, 16, 33, 129, 295}) {
         const auto w = random_vector<W>(rows * cols, rows * 1000 + cols);
         auto x = random_vector<float>(n * cols, n * 7 + cols);  // [n][cols]

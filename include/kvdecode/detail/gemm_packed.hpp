@@ -1,8 +1,8 @@
 // gemm_packed: prefill-sized projections, y [n][out] columns [c0, c1) = x [n][in] · wᵀ, in the
 // run-time kernel sets. Each panel of kPanelRows weight rows is packed once, transposed (and
-// widened from bf16), into the thread's panel [in][kPanelRows]; a register tile of R tokens ×
-// kPanelRows outputs then streams it once per R tokens (BLIS's packed panel, with the whole
-// of `in` as the depth: a panel of 64 × in floats stays in L2).
+// widened from bf16), into the thread's panel [in][kPanelRows]; register tiles of R tokens ×
+// kPanelRows outputs then stream it a depth block at a time (BLIS's packed panel: a block's
+// slice of kPackedDepth × 64 floats stays in L1 while every tile of tokens reads it).
 // Every output sums `in` in index order, in blocks of kPackedDepth added to y; with bf16 weights x
 // must already be rounded to bf16 (round_to_bf16), so every product is exact as the GEMV's
 // (gemv.hpp's rule).
@@ -88,9 +88,14 @@ KVDECODE_TARGET_AVX512 inline void pack_panel_avx512(float* panel, const W* w, s
     const std::size_t jn = std::min<std::size_t>(16, rows - j0);
     for (std::size_t k0 = 0; k0 < in; k0 += 16) {
       const std::size_t kn = std::min<std::size_t>(16, in - k0);
-      __m512i r[16];  // r[j]: weight row j0 + j, depths [k0, k0 + 16)
-      for (std::size_t j = 0; j < 16; ++j)
-        r[j] = j < jn ? load_widened_avx512(w + (j0 + j) * in + k0, kn) : _mm512_setzero_si512();
+      __m512i r[16];               // r[j]: weight row j0 + j, depths [k0, k0 + 16)
+      if (jn == 16 && kn == 16) {  // a whole block: plain loads
+        KVDECODE_UNROLL
+        for (std::size_t j = 0; j < 16; ++j) r[j] = load_widened_avx512(w + (j0 + j) * in + k0, 16);
+      } else {
+        for (std::size_t j = 0; j < 16; ++j)
+          r[j] = j < jn ? load_widened_avx512(w + (j0 + j) * in + k0, kn) : _mm512_setzero_si512();
+      }
       transpose_16x16(r);  // r[k]: depth k0 + k, weight rows [j0, j0 + 16)
       for (std::size_t k = 0; k < kn; ++k)
         _mm512_storeu_si512(panel + (k0 + k) * kPanelRows + j0, r[k]);
@@ -132,67 +137,89 @@ KVDECODE_TARGET_AVX2 inline void pack_panel_avx2(float* panel, const W* w, std::
   }
 }
 
-/// y rows [0, R) columns [0, cols) = x [R][in] · panel [in][0, cols), cols ≤ 64: 6 × 4
-/// accumulators, four panel loads and six broadcasts per 24 multiply-adds.
-template <int R>
+/// y rows [0, R) columns [0, cols) (+)= x [R][k0, k1) · panel [k0, k1)[0, cols), cols ≤ 16 C,
+/// k1 - k0 ≤ kPackedDepth: stored when k0 = 0, else added to y. R × C accumulators, C panel
+/// loads and R broadcasts per R C multiply-adds. next's lines are asked for one per depth step.
+template <int R, int C>
 KVDECODE_TARGET_AVX512 inline void packed_tile_avx512(float* y, std::size_t y_stride,
                                                       const float* x, std::size_t in,
                                                       const float* panel, std::size_t cols,
+                                                      std::size_t k0, std::size_t k1,
                                                       NextWeights next = {}) {
-  __mmask16 m[4];
+  __mmask16 m[C];
   KVDECODE_UNROLL
-  for (int j = 0; j < 4; ++j) {
+  for (int j = 0; j < C; ++j) {
     const std::size_t lo = 16 * static_cast<std::size_t>(j);
     const std::size_t left = cols > lo ? cols - lo : 0;
     m[j] = static_cast<__mmask16>(left >= 16 ? 0xFFFFu : (1u << left) - 1u);
   }
-  for (std::size_t k0 = 0; k0 < in; k0 += kPackedDepth) {
-    const std::size_t k1 = std::min(in, k0 + kPackedDepth);
-    __m512 acc[R][4];
+  __m512 acc[R][C];
+  KVDECODE_UNROLL
+  for (int i = 0; i < R; ++i) KVDECODE_UNROLL
+  for (int j = 0; j < C; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (std::size_t k = k0; k < k1; ++k) {
+    next.lines(k - k0, k - k0 + 1);
+    const float* p = panel + k * kPanelRows;
+    __m512 w[C];
     KVDECODE_UNROLL
-    for (int i = 0; i < R; ++i) KVDECODE_UNROLL
-    for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();
-    for (std::size_t k = k0; k < k1; ++k) {
-      next.lines(k, k + 1);
-      const float* p = panel + k * kPanelRows;
-      const __m512 w0 = _mm512_loadu_ps(p);
-      const __m512 w1 = _mm512_loadu_ps(p + 16);
-      const __m512 w2 = _mm512_loadu_ps(p + 32);
-      const __m512 w3 = _mm512_loadu_ps(p + 48);
+    for (int j = 0; j < C; ++j) w[j] = _mm512_loadu_ps(p + 16 * j);
+    KVDECODE_UNROLL
+    for (int i = 0; i < R; ++i) {
+      const __m512 xb = _mm512_set1_ps(x[static_cast<std::size_t>(i) * in + k]);
       KVDECODE_UNROLL
-      for (int i = 0; i < R; ++i) {
-        const __m512 xb = _mm512_set1_ps(x[static_cast<std::size_t>(i) * in + k]);
-        acc[i][0] = _mm512_fmadd_ps(xb, w0, acc[i][0]);
-        acc[i][1] = _mm512_fmadd_ps(xb, w1, acc[i][1]);
-        acc[i][2] = _mm512_fmadd_ps(xb, w2, acc[i][2]);
-        acc[i][3] = _mm512_fmadd_ps(xb, w3, acc[i][3]);
-      }
-    }
-    KVDECODE_UNROLL
-    for (int i = 0; i < R; ++i) KVDECODE_UNROLL
-    for (int j = 0; j < 4; ++j) {
-      float* out = y + static_cast<std::size_t>(i) * y_stride + 16 * j;
-      const __m512 sum =
-          k0 == 0 ? acc[i][j] : _mm512_add_ps(_mm512_maskz_loadu_ps(m[j], out), acc[i][j]);
-      _mm512_mask_storeu_ps(out, m[j], sum);
+      for (int j = 0; j < C; ++j) acc[i][j] = _mm512_fmadd_ps(xb, w[j], acc[i][j]);
     }
   }
+  KVDECODE_UNROLL
+  for (int i = 0; i < R; ++i) KVDECODE_UNROLL
+  for (int j = 0; j < C; ++j) {
+    float* out = y + static_cast<std::size_t>(i) * y_stride + 16 * j;
+    const __m512 sum =
+        k0 == 0 ? acc[i][j] : _mm512_add_ps(_mm512_maskz_loadu_ps(m[j], out), acc[i][j]);
+    _mm512_mask_storeu_ps(out, m[j], sum);
+  }
+}
+
+/// packed_panel_avx512 for a panel of cols ≤ 16 C columns: tiles of R tokens (about 24
+/// accumulators, so a narrow panel at the end of a slice computes no zero columns), then pairs
+/// and a single token. Depth blocks outer, tiles inner: a block's slice of the panel
+/// (kPackedDepth × 64 floats) stays in L1 while every tile reads it, where a whole panel would
+/// not; each output still adds its depth blocks to y in index order. The next weights are shared
+/// out over the R-token tiles of every depth block.
+template <int R, int C>
+KVDECODE_TARGET_AVX512 inline void packed_tiles_avx512(float* y, std::size_t y_stride,
+                                                       const float* x, std::size_t n,
+                                                       std::size_t in, const float* panel,
+                                                       std::size_t cols, NextWeights next) {
+  const std::size_t nr = n / R * R;
+  const std::size_t blocks = (in + kPackedDepth - 1) / kPackedDepth;
+  const std::size_t units = blocks * (nr / R);
+  std::size_t u = 0;
+  for (std::size_t k0 = 0; k0 < in; k0 += kPackedDepth) {
+    const std::size_t k1 = std::min(in, k0 + kPackedDepth);
+    std::size_t t = 0;
+    for (; t < nr; t += R, ++u) {
+      const NextWeights share = next.part(u, u + 1, units);
+      packed_tile_avx512<R, C>(y + t * y_stride, y_stride, x + t * in, in, panel, cols, k0, k1,
+                               share);
+      share.lines(k1 - k0, share.bytes / 64 + 1);  // what a depth step each did not cover
+    }
+    for (; t + 2 <= n; t += 2)
+      packed_tile_avx512<2, C>(y + t * y_stride, y_stride, x + t * in, in, panel, cols, k0, k1);
+    if (t < n)
+      packed_tile_avx512<1, C>(y + t * y_stride, y_stride, x + t * in, in, panel, cols, k0, k1);
+  }
+  if (units == 0) next.lines(0, next.bytes / 64 + 1);
 }
 
 KVDECODE_TARGET_AVX512 inline void packed_panel_avx512(float* y, std::size_t y_stride,
                                                        const float* x, std::size_t n,
                                                        std::size_t in, const float* panel,
                                                        std::size_t cols, NextWeights next) {
-  std::size_t t = 0;
-  for (; t + 6 <= n; t += 6) {
-    const NextWeights share = next.part(t, t + 6, n);
-    packed_tile_avx512<6>(y + t * y_stride, y_stride, x + t * in, in, panel, cols, share);
-    share.lines(in, share.bytes / 64 + 1);  // what a depth step each did not cover
-  }
-  next.part(t, n, n).lines(0, n * in);
-  for (; t + 2 <= n; t += 2)
-    packed_tile_avx512<2>(y + t * y_stride, y_stride, x + t * in, in, panel, cols);
-  if (t < n) packed_tile_avx512<1>(y + t * y_stride, y_stride, x + t * in, in, panel, cols);
+  if (cols > 48) return packed_tiles_avx512<6, 4>(y, y_stride, x, n, in, panel, cols, next);
+  if (cols > 32) return packed_tiles_avx512<8, 3>(y, y_stride, x, n, in, panel, cols, next);
+  if (cols > 16) return packed_tiles_avx512<12, 2>(y, y_stride, x, n, in, panel, cols, next);
+  packed_tiles_avx512<12, 1>(y, y_stride, x, n, in, panel, cols, next);
 }
 
 /// AVX2: half a panel (32 columns) at a time, 3 × 4 accumulators of 16 registers.

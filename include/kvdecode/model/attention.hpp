@@ -314,6 +314,8 @@ void attend_kv_head(const ModelConfig& cfg, const S& store, std::size_t layer, s
   const auto dims = Stride(static_cast<Eigen::Index>(dim));
   const std::size_t q_last = q_first + n - 1;
 
+  // Queries whose scores are computed together against the columns the last of them sees.
+  constexpr std::size_t kQueryBlock = 32;
   T* const tile_scores = scratch.thread_scores(t);  // [n][cols] of the current tile
   T* const m_all = scratch.thread_row_max(t);       // [kv_mul][n]
   T* const l_all = scratch.thread_row_sum(t);       // [kv_mul][n]
@@ -374,61 +376,87 @@ void attend_kv_head(const ModelConfig& cfg, const S& store, std::size_t layer, s
       n_products = 1;
     }
     const auto ci = static_cast<Eigen::Index>(cols);
-    const TileRun& last = runs[n_runs - 1];
-    // Every query sees every key of the tile unless a key lies past the first query or the
-    // store adds a mask of its own.
-    bool full = last.first + last.rows - 1 <= q_first;
-    if constexpr (MaskingKvStore<S>) full = false;
+    const std::size_t tile_first = runs[0].first;  // a tile's columns are consecutive positions
     for (std::size_t j = 0; j < kv_mul; ++j) {
       const std::size_t h = g * kv_mul + j;
       const detail::ConstStridedMap<T> qh(q + h * hs, ni, hsi, dims);
       detail::StridedMap<T> oh(out + h * hs, ni, hsi, dims);
       Eigen::Map<RowMatrix<T>> s(tile_scores, ni, ci);
-      if constexpr (std::is_same_v<T, float>)
-        if (own_products)
-          detail::attention_scores(ks, tile_scores, cols, q + h * hs, dim, kt, kTile, n, cols, hs,
-                                   scale);
-      for (std::size_t k = 0; k < n_products && !own_products; ++k) {
-        const TileRun& run = products[k];
-        const auto ri = static_cast<Eigen::Index>(run.rows);
-        const auto bs = Stride(static_cast<Eigen::Index>(run.stride));
-        // Scaled after the product: Eigen evaluates a product inside a larger expression
-        // ((q·Kᵀ)·scale) into a heap temporary.
-        auto cols_of = s.middleCols(static_cast<Eigen::Index>(run.col), ri);
-        cols_of.noalias() = qh * detail::ConstStridedMap<T>(run.keys, ri, hsi, bs).transpose();
-        cols_of *= scale;
-      }
       T* m = m_all + j * n;
       T* l = l_all + j * n;
-      for (std::size_t r = 0; r < n; ++r) {
-        auto row = s.row(static_cast<Eigen::Index>(r));
-        if (!full) {
-          const std::size_t qi = q_first + r;
-          for (std::size_t k = 0; k < n_runs; ++k) {
-            const TileRun& run = runs[k];
-            for (std::size_t c = 0; c < run.rows; ++c) {
-              const std::size_t ki = run.first + c;
-              bool visible = ki <= qi;
-              if constexpr (MaskingKvStore<S>) visible = visible && !store.masks(qi, ki);
-              if (!visible) row(static_cast<Eigen::Index>(run.col + c)) = neg_inf;
+      // Causal: a block of queries takes only the columns its last query can see, so a chunk
+      // attending to itself computes about half the square instead of all of it.
+      for (std::size_t r0 = 0; r0 < n; r0 += kQueryBlock) {
+        const std::size_t rb = std::min(kQueryBlock, n - r0);
+        const std::size_t q_hi = q_first + r0 + rb - 1;  // the block's last query
+        if (q_hi < tile_first) continue;                 // the whole tile in its future
+        const std::size_t vis = std::min(cols, q_hi - tile_first + 1);
+        const auto r0i = static_cast<Eigen::Index>(r0);
+        const auto rbi = static_cast<Eigen::Index>(rb);
+        const auto taken = [&](const TileRun& run) {  // the run's columns below vis
+          return run.col >= vis ? std::size_t{0} : std::min(run.rows, vis - run.col);
+        };
+        if constexpr (std::is_same_v<T, float>)
+          if (own_products)
+            detail::attention_scores(ks, tile_scores + r0 * cols, cols, q + r0 * dim + h * hs, dim,
+                                     kt, kTile, rb, vis, hs, scale);
+        for (std::size_t k = 0; k < n_products && !own_products; ++k) {
+          const TileRun& run = products[k];
+          const std::size_t take = taken(run);
+          if (take == 0) break;
+          const auto ti = static_cast<Eigen::Index>(take);
+          const auto bs = Stride(static_cast<Eigen::Index>(run.stride));
+          // Scaled after the product: Eigen evaluates a product inside a larger expression
+          // ((q·Kᵀ)·scale) into a heap temporary.
+          auto cols_of = s.block(r0i, static_cast<Eigen::Index>(run.col), rbi, ti);
+          cols_of.noalias() = qh.middleRows(r0i, rbi) *
+                              detail::ConstStridedMap<T>(run.keys, ti, hsi, bs).transpose();
+          cols_of *= scale;
+        }
+        // Every query of the block sees every column below vis unless a column lies past the
+        // block's first query or the store adds a mask of its own.
+        bool full = tile_first + vis - 1 <= q_first + r0;
+        if constexpr (MaskingKvStore<S>) full = false;
+        for (std::size_t r = r0; r < r0 + rb; ++r) {
+          T* const row = tile_scores + r * cols;
+          if (!full && !MaskingKvStore<S>) {  // only the columns past the query
+            const std::size_t seen =
+                std::min(vis, q_first + r + 1 - std::min(q_first + r + 1, tile_first));
+            std::fill(row + seen, row + vis, neg_inf);
+          } else if (!full) {
+            const std::size_t qi = q_first + r;
+            for (std::size_t k = 0; k < n_runs; ++k) {
+              const TileRun& run = runs[k];
+              const std::size_t take = taken(run);
+              for (std::size_t c = 0; c < take; ++c) {
+                const std::size_t ki = run.first + c;
+                bool visible = ki <= qi;
+                if constexpr (MaskingKvStore<S>) visible = visible && !store.masks(qi, ki);
+                if (!visible) row[run.col + c] = neg_inf;
+              }
             }
           }
+          detail::online_softmax_row(row, vis, m[r], l[r], out + r * dim + h * hs, hs, ks);
         }
-        detail::online_softmax_row(row.data(), cols, m[r], l[r], out + r * dim + h * hs, hs, ks);
-      }
-      if constexpr (std::is_same_v<T, float>)
-        if (own_products) {
-          for (std::size_t k = 0; k < n_runs; ++k)
-            detail::attention_pv(ks, out + h * hs, dim, tile_scores + runs[k].col, cols,
-                                 runs[k].values, runs[k].stride, n, runs[k].rows, hs);
-          continue;
+        if constexpr (std::is_same_v<T, float>)
+          if (own_products) {
+            for (std::size_t k = 0; k < n_runs; ++k)
+              if (const std::size_t take = taken(runs[k]); take > 0)
+                detail::attention_pv(ks, out + r0 * dim + h * hs, dim,
+                                     tile_scores + r0 * cols + runs[k].col, cols, runs[k].values,
+                                     runs[k].stride, rb, take, hs);
+            continue;
+          }
+        for (std::size_t k = 0; k < n_products; ++k) {
+          const TileRun& run = products[k];
+          const std::size_t take = taken(run);
+          if (take == 0) break;
+          const auto ti = static_cast<Eigen::Index>(take);
+          const auto bs = Stride(static_cast<Eigen::Index>(run.stride));
+          oh.middleRows(r0i, rbi).noalias() +=
+              s.block(r0i, static_cast<Eigen::Index>(run.col), rbi, ti) *
+              detail::ConstStridedMap<T>(run.values, ti, hsi, bs);
         }
-      for (std::size_t k = 0; k < n_products; ++k) {
-        const TileRun& run = products[k];
-        const auto ri = static_cast<Eigen::Index>(run.rows);
-        const auto bs = Stride(static_cast<Eigen::Index>(run.stride));
-        oh.noalias() += s.middleCols(static_cast<Eigen::Index>(run.col), ri) *
-                        detail::ConstStridedMap<T>(run.values, ri, hsi, bs);
       }
     }
     n_runs = 0;
