@@ -254,6 +254,57 @@ TEST(PagedStoreTest, SequencesAppendedInTurnKeepTheirBlocksInOneRun) {
   }
 }
 
+// Prompts of two blocks opened one after another in a pool with one block of slack per
+// sequence, then each grows by a block in turn. A new run of `want` blocks goes in the longest
+// free run [s, s + len), centred: at s + (len - want) / 2. A at 0 (the pool's start); B in
+// [2, 12) at 2 + 4 = 6; C in [2, 6) at 2 + 1 = 3; D in [8, 12) at 8 + 1 = 9. Each then grows
+// into the free block after its last, so every table stays one run. (Placing the run at the
+// middle of the free run instead, s + len / 2, puts D at 10 and leaves it no block to grow into.)
+TEST(PagedStoreTest, PromptsTakenTogetherLeaveEachSequenceRoomToGrow) {
+  const ModelConfig cfg = small_config(4, 2, 64);
+  BlockPool<float> pool(cfg, 12, 4);
+  std::vector<PagedStore<float>> seqs;
+  for (int i = 0; i < 4; ++i) seqs.emplace_back(pool);
+  for (auto& s : seqs) write_rows(s, 0, 8);
+  for (auto& s : seqs) write_rows(s, 8, 1);
+  const std::vector<std::size_t> first = {0, 6, 3, 9};
+  for (std::size_t q = 0; q < seqs.size(); ++q) {
+    const auto table = seqs[q].block_table();
+    ASSERT_EQ(table.size(), 3u);
+    for (std::size_t i = 0; i < table.size(); ++i)
+      EXPECT_EQ(table[i], first[q] + i) << "sequence " << q << ", block " << i;
+    EXPECT_EQ(blocks_of(seqs[q], 9).size(), 1u);
+  }
+  EXPECT_EQ(pool.n_free(), 0u);
+  pool.check_invariants();
+}
+
+// A batch of sequences whose contexts straddle a block boundary (16..31 rows past 7 full blocks
+// of 16), set up one after another in a pool of exactly 9 blocks per sequence, then decoding in
+// turn and rolled back after each step: every sequence's table stays one run throughout, so
+// attention reads each sequence's keys in place.
+TEST(PagedStoreTest, BatchInAnExactlySizedPoolKeepsEverySequenceOneRun) {
+  const ModelConfig cfg = small_config(4, 2, 256);
+  constexpr std::size_t kBatch = 16;
+  BlockPool<float> pool(cfg, kBatch * 9, 16, BlockPoolOptions{0, false});
+  std::vector<PagedStore<float>> seqs;
+  seqs.reserve(kBatch);
+  for (std::size_t b = 0; b < kBatch; ++b) {
+    seqs.emplace_back(pool);
+    write_rows(seqs.back(), 0, 120 + b);
+  }
+  for (int step = 0; step < 3; ++step) {
+    for (auto& s : seqs) write_rows(s, s.size(), 1);
+    for (std::size_t b = 0; b < kBatch; ++b) {
+      const std::size_t end = seqs[b].size();
+      ASSERT_EQ(seqs[b].block_table().size(), (end + 15) / 16) << "sequence " << b;
+      EXPECT_EQ(blocks_of(seqs[b], end).size(), 1u) << "sequence " << b << ", step " << step;
+    }
+    for (auto& s : seqs) s.truncate(s.size() - 1);
+  }
+  pool.check_invariants();
+}
+
 TEST(PagedStoreTest, ForkSharesEveryBlockAndCopiesOnWrite) {
   const ModelConfig cfg = small_config(4, 2, 64);
   const Model<double> model(random_weights<double>(cfg, 11));

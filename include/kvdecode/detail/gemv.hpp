@@ -222,12 +222,20 @@ KVDECODE_TARGET_AVX2 inline void gemv_rows_bf16_avx2(float* y, const bf16* w, co
 
 /// One f32 row · x: each 64-byte load of x feeds the row, two accumulators hide the FMA latency
 /// (alternate 16-column halves of every 32, the tail in the second), as gemm_few sums.
+/// How far ahead of the weights being multiplied the f32 GEMV asks for their cache lines (into
+/// the next rows past a row's end; past the matrix's end a prefetch is harmless): one core's
+/// sequential loads alone keep too few lines in flight to reach the memory's bandwidth.
+inline constexpr std::size_t kGemvPrefetchBytes = 2048;
+
 KVDECODE_TARGET_AVX512 inline float dot_f32_avx512(const float* w, const float* x,
                                                    std::size_t cols) {
   __m512 acc0 = _mm512_setzero_ps();
   __m512 acc1 = _mm512_setzero_ps();
   std::size_t c = 0;
   for (; c + 32 <= cols; c += 32) {
+    const char* ahead = reinterpret_cast<const char*>(w + c) + kGemvPrefetchBytes;
+    _mm_prefetch(ahead, _MM_HINT_T0);
+    _mm_prefetch(ahead + 64, _MM_HINT_T0);
     acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(w + c), _mm512_loadu_ps(x + c), acc0);
     acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(w + c + 16), _mm512_loadu_ps(x + c + 16), acc1);
   }

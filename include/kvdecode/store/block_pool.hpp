@@ -278,10 +278,13 @@ class BlockPool {
   /// With keep_runs, `after` (the sequence's last block, or kNone) asks for block after + 1, so
   /// a growing sequence stays one run. When that block is not free the sequence starts a new run
   /// in the longest run of free blocks: at its start when the block before it is free of holders
-  /// (the pool's start, a cached block), else in its middle, leaving the first half to the
-  /// sequence that holds the block before it. Sequences decoded in turn then grow side by side
-  /// rather than interleaved block by block. The search is O(n_blocks), once per new run.
-  std::size_t acquire(std::size_t after = kNone) noexcept {
+  /// (the pool's start, a cached block), else with the `want` blocks the caller is about to take
+  /// centred in it, so the slack splits evenly between the sequence that holds the block before
+  /// (it grows into the first half) and this one (into the second). Sequences decoded in turn
+  /// then grow side by side rather than interleaved block by block, and a prompt's blocks taken
+  /// together stay one run while free runs hold them. The search is O(n_blocks), once per new
+  /// run.
+  std::size_t acquire(std::size_t after = kNone, std::size_t want = 1) noexcept {
     std::size_t b;
     if (!free_.empty()) {
       if (!keep_runs_) {
@@ -289,7 +292,7 @@ class BlockPool {
       } else if (after != kNone && after + 1 < n_blocks_ && free_pos_[after + 1] != kNone) {
         b = after + 1;
       } else {
-        b = start_of_run();
+        b = start_of_run(want);
       }
       take_free(b);
     } else {
@@ -424,9 +427,10 @@ class BlockPool {
     free_.pop_back();
     free_pos_[b] = kNone;
   }
-  /// Where a new run goes (acquire): the longest run of free blocks, lowest first, at its start
-  /// if no sequence holds the block before it, else in its middle.
-  std::size_t start_of_run() const {
+  /// Where a new run of `want` blocks goes (acquire): the longest run of free blocks, lowest
+  /// first, at its start if no sequence holds the block before it, else with the new run centred
+  /// in it (at its start when it is shorter than want).
+  std::size_t start_of_run(std::size_t want) const {
     std::size_t best = kNone, best_len = 0;
     for (std::size_t b = 0; b < n_blocks_;) {
       if (free_pos_[b] == kNone) {
@@ -441,7 +445,7 @@ class BlockPool {
       }
       b = e;
     }
-    if (best > 0 && ref_[best - 1] > 0) best += best_len / 2;
+    if (best > 0 && ref_[best - 1] > 0 && best_len > want) best += (best_len - want) / 2;
     return best;
   }
 

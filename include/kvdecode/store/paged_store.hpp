@@ -208,8 +208,8 @@ class PagedStore {
                    pool_->n_available(), " available (", pool_->n_free(), " free, ",
                    pool_->n_evictable(), " cached evictable) of ", pool_->n_blocks());
     // Nothing below throws: the vectors were reserved for the capacity.
-    // Each block asks for the one after the previous block, so the table stays one run where
-    // the pool allows (BlockPool::acquire).
+    // Each block asks for the one after the previous block, and says how many are still to
+    // come, so the table stays one run where the pool allows (BlockPool::acquire).
     if (cow) {
       const std::size_t copy =
           pool_->acquire(table_.size() >= 2 ? table_[table_.size() - 2] : BlockPool<T>::kNone);
@@ -217,7 +217,8 @@ class PagedStore {
       cow_from_ = std::exchange(table_.back(), copy);
     }
     for (std::size_t i = 0; i < fresh; ++i)
-      table_.push_back(pool_->acquire(table_.empty() ? BlockPool<T>::kNone : table_.back()));
+      table_.push_back(
+          pool_->acquire(table_.empty() ? BlockPool<T>::kNone : table_.back(), fresh - i));
     new_blocks_ = fresh;
     tokens_.insert(tokens_.end(), tokens.begin(), tokens.end());
     pending_ = n;
