@@ -312,7 +312,7 @@ struct Generation {
     prev = token;
     if (text.stopped()) {
       stopped_by_text = true;
-      stream->cancel();  // the text is complete: the engine frees its blocks
+      stream->stop();  // the text is complete: the engine frees its blocks
       done = true;
     }
     return out;
@@ -321,7 +321,8 @@ struct Generation {
   std::string finish_reason() const {
     if (stopped_by_text) return "stop";
     const auto r = stream->finish_reason();
-    if (r == kvdecode::FinishReason::kStopToken) return "stop";
+    if (r == kvdecode::FinishReason::kStopToken || r == kvdecode::FinishReason::kStopString)
+      return "stop";
     if (r == kvdecode::FinishReason::kMaxTokens || r == kvdecode::FinishReason::kContextFull)
       return "length";
     return std::string(kvdecode::to_string(r));

@@ -11,6 +11,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <thread>
@@ -167,6 +168,26 @@ TEST(EngineTest, CancellationFreesBlocks) {
   EXPECT_EQ(m.cancelled, 2u);
   EXPECT_EQ(m.running, 0u);
   EXPECT_EQ(m.blocks_held, 0u);
+}
+
+TEST(EngineTest, AStopFromTheCallerFinishesTheRequestAndFreesBlocks) {
+  const ModelConfig cfg = engine_config();
+  const Model<double> model(random_weights<double>(cfg, 9));
+  Engine<double> engine(model, {.n_blocks = 32, .block_size = 4, .prefix_cache = false});
+  const auto s = engine.submit({.prompt = random_tokens(30, cfg.vocab_size, 3), .max_tokens = 50});
+  const auto c = engine.submit({.prompt = random_tokens(5, cfg.vocab_size, 4), .max_tokens = 50});
+  for (int i = 0; i < 5; ++i) engine.step();
+  const std::size_t got = s->tokens().size();
+  s->stop();  // e.g. a stop string the caller found in the text
+  c->cancel();
+  EXPECT_FALSE(engine.step());
+  EXPECT_EQ(engine.pool().n_held(), 0u);
+  EXPECT_EQ(s->finish_reason(), FinishReason::kStopString);
+  EXPECT_EQ(c->finish_reason(), FinishReason::kCancelled);
+  EXPECT_EQ(s->tokens().size(), got);
+  const EngineMetrics m = engine.metrics();
+  EXPECT_EQ(m.finished, 1u);  // a stopped request is complete, not abandoned
+  EXPECT_EQ(m.cancelled, 1u);
 }
 
 TEST(EngineTest, DestructionEndsWhatIsLeft) {
@@ -349,6 +370,16 @@ TEST(EngineTest, RejectsBadOptions) {
                "step_tokens 4 must be at least max_running 8");
   expect_error([&] { Engine<double>(model, {.capacity = 97}); },
                "capacity 97 exceeds the model's seq_len 96");
+  expect_error(
+      [&] {
+        Engine<double>(model, {.pass_cost = PassCost{-1, 0.1}});
+      },
+      "pass_cost must be finite and >= 0, got fixed_ms -1 and token_ms 0.1");
+  expect_error(
+      [&] {
+        Engine<double>(model, {.pass_cost = PassCost{1, std::nan("")}});
+      },
+      "pass_cost must be finite and >= 0, got fixed_ms 1 and token_ms nan");
 }
 
 #ifdef NDEBUG

@@ -223,6 +223,23 @@ class ServerTest(unittest.TestCase):
         self.assertEqual(m["running"], 0)
         self.assertEqual(m["blocks_held"], 0)
 
+    def test_a_stop_string_ends_the_text_and_counts_as_finished_not_cancelled(self):
+        body = {"prompt": "And it came to pass", "max_tokens": 40, "temperature": 0}
+        status, whole = post("/v1/completions", body)
+        self.assertEqual(status, 200, whole)
+        text = whole["choices"][0]["text"]
+        self.assertIn("e", text)
+        self.assertTrue(wait_until(lambda: metrics()["running"] == 0))
+        before = metrics()
+        status, cut = post("/v1/completions", dict(body, stop="e"))
+        self.assertEqual(status, 200, cut)
+        self.assertEqual(cut["choices"][0]["text"], text[:text.index("e")])
+        self.assertEqual(cut["choices"][0]["finish_reason"], "stop")
+        self.assertTrue(wait_until(lambda: metrics()["running"] == 0))
+        after = metrics()
+        self.assertEqual(after["requests_finished"], before["requests_finished"] + 1)
+        self.assertEqual(after["requests_cancelled"], before["requests_cancelled"])
+
     def test_malformed_requests_get_400_with_a_message(self):
         cases = [
             (b'{"prompt": ', "the body is not valid JSON"),

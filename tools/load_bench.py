@@ -34,6 +34,7 @@ import http.client
 import json
 import os
 import resource
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -310,7 +311,7 @@ def main():
                  "load_client)" % opts.client)
     common = ["--threads", str(opts.threads), "--blocks", "2048", "--max-running",
               str(max(16, opts.clients)), "--step-tokens", "256",
-              "--http-threads", str(opts.clients + 8)] + opts.server_args.split()
+              "--http-threads", str(opts.clients + 8)] + shlex.split(opts.server_args)
     probe = Server(opts.server, common)
     try:
         system, n_system = system_prompt(probe.port, opts.system_tokens, opts.timeout)

@@ -1,8 +1,9 @@
 // gemm_packed: prefill-sized projections, y [n][out] columns [c0, c1) = x [n][in] · wᵀ, in the
 // run-time kernel sets. Each panel of kPanelRows weight rows is packed once, transposed (and
 // widened from bf16), into the thread's panel [in][kPanelRows]; register tiles of R tokens ×
-// kPanelRows outputs then stream it a depth block at a time (BLIS's packed panel: a block's
-// slice of kPackedDepth × 64 floats stays in L1 while every tile of tokens reads it).
+// kPanelRows outputs then read it: on AVX-512 a depth block at a time (BLIS's packed panel: a
+// block's slice of kPackedDepth × 64 floats stays in L1 while every tile of tokens reads it); the
+// AVX2 tiles still run the whole depth per tile of tokens.
 // Every output sums `in` in index order, in blocks of kPackedDepth added to y; with bf16 weights x
 // must already be rounded to bf16 (round_to_bf16), so every product is exact as the GEMV's
 // (gemv.hpp's rule).

@@ -223,7 +223,8 @@ inline GgufBpeVocabulary gguf_bpe_vocabulary(const GgufFile& g) {
 /// A "llama" vocabulary as a Vocabulary: add_bos and add_eos as stored; BOS 1, EOS 2 (checked
 /// by gguf_vocabulary()). A generated EOS ends the text (a chat model's answer ends there, and
 /// llama.cpp stops), and so does BOS, as run.c (and this library for llama2.c checkpoints)
-/// stops: a file converted from a llama2.c checkpoint ends its texts as the checkpoint does.
+/// stops. So a file converted from a llama2.c checkpoint ends its texts at BOS as the
+/// checkpoint does, and at EOS too, where run.c would print "</s>" and go on.
 inline Vocabulary to_vocabulary(GgufVocabulary v) {
   SpecialTokens s = SpecialTokens::run_c();
   s.bos_id = v.bos_id;

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
@@ -277,6 +278,12 @@ class Engine {
     KVDECODE_CHECK(o.step_tokens >= o.max_running, "Engine: step_tokens ", o.step_tokens,
                    " must be at least max_running ", o.max_running,
                    " (one token per decoding sequence)");
+    if (o.pass_cost) {
+      KVDECODE_CHECK(std::isfinite(o.pass_cost->fixed_ms) && o.pass_cost->fixed_ms >= 0 &&
+                         std::isfinite(o.pass_cost->token_ms) && o.pass_cost->token_ms >= 0,
+                     "Engine: pass_cost must be finite and >= 0, got fixed_ms ",
+                     o.pass_cost->fixed_ms, " and token_ms ", o.pass_cost->token_ms);
+    }
     if (!o.prefix_dir.empty()) {
       KVDECODE_CHECK(o.prefix_cache, "Engine: prefix_dir '", o.prefix_dir.string(),
                      "' needs prefix_cache");
@@ -313,10 +320,12 @@ class Engine {
   }
 
   void drop_cancelled() {
-    for (auto& s : running_)
-      if (s->stream->cancel_requested()) end(*s, FinishReason::kCancelled);
-    for (auto& s : waiting_)
-      if (s->stream->cancel_requested()) end(*s, FinishReason::kCancelled);
+    const auto drop = [&](Sequence& s) {
+      if (!s.stream->cancel_requested()) return;
+      end(s, s.stream->stop_requested() ? FinishReason::kStopString : FinishReason::kCancelled);
+    };
+    for (auto& s : running_) drop(*s);
+    for (auto& s : waiting_) drop(*s);
     std::erase_if(running_, [](const auto& s) { return s->done; });
     std::erase_if(waiting_, [](const auto& s) { return s->done; });
   }

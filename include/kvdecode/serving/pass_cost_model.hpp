@@ -75,7 +75,7 @@ class PassCostModel {
     double ms = 0;      // running mean of their times
     std::size_t passes = 0;
   };
-  std::array<Class, kClasses> classes_{};
+  std::array<Class, kClasses> classes_{};  // [kClasses] one per power-of-two pass size
 };
 
 }  // namespace kvdecode

@@ -40,7 +40,8 @@ enum class FinishReason {
   kMaxTokens,    ///< generated max_tokens
   kContextFull,  ///< the sequence reached the pool's capacity
   kCancelled,    ///< RequestStream::cancel()
-  kError,        ///< the step failed; error() says why
+  kStopString,  ///< RequestStream::stop(): the caller found its own end (a stop string) in the text
+  kError,       ///< the step failed; error() says why
 };
 
 inline std::string_view to_string(FinishReason r) {
@@ -55,6 +56,8 @@ inline std::string_view to_string(FinishReason r) {
       return "context_full";
     case FinishReason::kCancelled:
       return "cancelled";
+    case FinishReason::kStopString:
+      return "stop_string";
     case FinishReason::kError:
       return "error";
   }
@@ -107,10 +110,20 @@ class RequestStream {
   /// Asks the engine to stop the request; it releases its blocks at its next step and finishes
   /// it with kCancelled (unless it finished first).
   void cancel() {
-    cancel_requested_.store(true, std::memory_order_relaxed);
+    cancel_requested_.store(true, std::memory_order_release);  // after stop()'s flag
     wake_->notify();
   }
-  bool cancel_requested() const { return cancel_requested_.load(std::memory_order_relaxed); }
+  bool cancel_requested() const { return cancel_requested_.load(std::memory_order_acquire); }
+
+  /// Ends the request as complete, not abandoned: the caller found the end of the text itself
+  /// (a stop string, which only the text shows). Like cancel(), its blocks are released at the
+  /// engine's next step; it finishes with kStopString (unless it finished first) and counts as
+  /// finished in the metrics, not as cancelled.
+  void stop() {
+    stop_requested_.store(true, std::memory_order_relaxed);
+    cancel();
+  }
+  bool stop_requested() const { return stop_requested_.load(std::memory_order_relaxed); }
 
   /// The next token not yet read by next(): waits up to `timeout` for it. kFinished once the
   /// request has ended and every token has been read.
@@ -191,6 +204,7 @@ class RequestStream {
   const std::uint64_t id_;
   std::shared_ptr<detail::WakeSignal> wake_;
   std::atomic<bool> cancel_requested_{false};
+  std::atomic<bool> stop_requested_{false};  // set before cancel_requested_
   mutable std::mutex mutex_;
   std::condition_variable cv_;
   std::vector<std::int32_t> tokens_;  // [≤ max_tokens] generated so far

@@ -1,6 +1,6 @@
 // Vocabulary: a model's tokenizer of either kind, SentencePiece (Tokenizer) or byte-level BPE
 // (BpeTokenizer), with the special tokens a generator needs: whether a prompt starts with BOS,
-// and which generated token ends the text. A program that runs any model file holds one; each
+// and which generated tokens end the text. A program that runs any model file holds one; each
 // call visits the tokenizer it holds (no virtual calls, one copy of the generation loop).
 #pragma once
 
