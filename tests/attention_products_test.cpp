@@ -147,6 +147,71 @@ TEST_P(AttentionProductsTest, PvAccumulatesProbabilityWeightedValues) {
   }
 }
 
+// One query against keys read where they lie (a batched decode step): the same bound as the
+// packed scores; the keys' padded stride (filled with NaN) shows nothing past hs is read, and
+// the slot past rows shows nothing past the run is written.
+TEST_P(AttentionProductsTest, OneQueryScoresAreDotProductsWithTheKeys) {
+  for (const std::size_t hs : {1, 7, 15, 16, 17, 48, 64, 65, 128}) {
+    for (const std::size_t rows : {1, 2, 15, 16, 17, 100, 256}) {
+      const std::size_t stride = hs + 3;
+      const std::vector<float> q = random_floats(hs, 12);
+      std::vector<float> keys = random_floats(rows * stride, 13);  // [rows][stride]
+      for (std::size_t c = 0; c < rows; ++c)
+        for (std::size_t d = hs; d < stride; ++d) keys[c * stride + d] = std::nanf("");
+      std::vector<float> s(rows + 1, 42.0f);
+      const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
+      detail::one_query_scores(GetParam(), s.data(), q.data(), keys.data(), stride, rows, hs,
+                               scale);
+      const double gamma = static_cast<double>(hs) * kEps / (1.0 - static_cast<double>(hs) * kEps);
+      for (std::size_t c = 0; c < rows; ++c) {
+        double exact = 0.0;
+        double magnitude = 0.0;
+        for (std::size_t d = 0; d < hs; ++d) {
+          const double term = static_cast<double>(q[d]) * keys[c * stride + d];
+          exact += term;
+          magnitude += std::abs(term);
+        }
+        const double want = exact * scale;
+        const double bound = (gamma * magnitude + kEps * std::abs(exact)) * scale * (1 + kEps);
+        ASSERT_LE(std::abs(s[c] - want), bound)
+            << kernel_set_name(GetParam()) << " hs " << hs << " rows " << rows << " at " << c;
+      }
+      ASSERT_EQ(s[rows], 42.0f);
+    }
+  }
+}
+
+// o += p·v for one query over values read where they lie: rows + 1 terms per output, as the
+// packed p·v; NaN in the values' padding and a guard past hs show what is read and written.
+TEST_P(AttentionProductsTest, OneQueryPvAccumulatesProbabilityWeightedValues) {
+  for (const std::size_t hs : {1, 7, 15, 16, 17, 33, 48, 64, 65, 100, 128, 130}) {
+    for (const std::size_t rows : {1, 2, 16, 17, 64, 256}) {
+      const std::size_t stride = hs + 2;
+      const std::vector<float> p = random_floats(rows, 14);
+      std::vector<float> v = random_floats(rows * stride, 15);  // [rows][stride]
+      for (std::size_t c = 0; c < rows; ++c)
+        for (std::size_t d = hs; d < stride; ++d) v[c * stride + d] = std::nanf("");
+      std::vector<float> o = random_floats(hs + 1, 16);  // [hs] and a guard
+      const std::vector<float> before = o;
+      detail::one_query_pv(GetParam(), o.data(), p.data(), v.data(), stride, rows, hs);
+      const double m = static_cast<double>(rows + 1);
+      const double gamma = m * kEps / (1.0 - m * kEps);
+      for (std::size_t d = 0; d < hs; ++d) {
+        double exact = before[d];
+        double magnitude = std::abs(exact);
+        for (std::size_t c = 0; c < rows; ++c) {
+          const double term = static_cast<double>(p[c]) * v[c * stride + d];
+          exact += term;
+          magnitude += std::abs(term);
+        }
+        ASSERT_LE(std::abs(o[d] - exact), gamma * magnitude)
+            << kernel_set_name(GetParam()) << " hs " << hs << " rows " << rows << " at " << d;
+      }
+      ASSERT_EQ(o[hs], before[hs]);
+    }
+  }
+}
+
 /// Odd sizes so every tail runs: head size 18, GQA 4/2.
 ModelConfig odd_config() {
   ModelConfig c;
