@@ -8,7 +8,6 @@
 // x86 sets have kernels here (the portable set keeps Eigen).
 #pragma once
 
-#include <algorithm>
 #include <cstddef>
 #include <type_traits>
 
@@ -282,76 +281,6 @@ KVDECODE_TARGET_AVX2 inline void pack_keys_avx2(float* kt, std::size_t ld, std::
   }
 }
 
-// ---------------------------------------------------------------------------------------------
-// AVX-512, one query against a run of keys straight from the store (a batched decode step):
-// each key and value row read once, kOneQueryAhead bytes ahead asked for, no packing.
-// ---------------------------------------------------------------------------------------------
-
-/// How far ahead of the row being read the one-query products ask for the keys' or values'
-/// lines: a sequence's run is tens of KiB, and the hardware's streams restart at every 4 KiB,
-/// so alone they keep too few lines in flight.
-inline constexpr std::size_t kOneQueryAhead = 2048;
-
-/// The lines of [p, p + bytes) asked for into L1 (a prefetch never faults).
-inline void prefetch_lines(const void* p, std::size_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (std::size_t b = 0; b < bytes; b += 64) _mm_prefetch(c + b, _MM_HINT_T0);
-}
-
-/// s [rows] = keys [rows][stride] (first hs of each row) · q [hs] · scale: per row one sum over
-/// d in 16-wide chunks, reduced across lanes.
-KVDECODE_TARGET_AVX512 inline void one_query_scores_avx512(float* s, const float* q,
-                                                           const float* keys, std::size_t stride,
-                                                           std::size_t rows, std::size_t hs,
-                                                           float scale) {
-  const std::size_t row_bytes = hs * sizeof(float);
-  prefetch_lines(keys, std::min(kOneQueryAhead, rows * stride * sizeof(float)));
-  for (std::size_t c = 0; c < rows; ++c) {
-    const float* k = keys + c * stride;
-    prefetch_lines(reinterpret_cast<const char*>(k) + kOneQueryAhead, row_bytes);
-    __m512 acc = _mm512_setzero_ps();
-    std::size_t d = 0;
-    for (; d + 16 <= hs; d += 16)
-      acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(k + d), acc);
-    if (d < hs) {
-      const auto m = static_cast<__mmask16>((1u << (hs - d)) - 1u);
-      acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q + d), _mm512_maskz_loadu_ps(m, k + d), acc);
-    }
-    s[c] = _mm512_reduce_add_ps(acc) * scale;
-  }
-}
-
-/// o [hs] += p [rows] · values [rows][stride] (first hs of each row): every output one fma chain
-/// over the rows in order.
-KVDECODE_TARGET_AVX512 inline void one_query_pv_avx512(float* o, const float* p,
-                                                       const float* values, std::size_t stride,
-                                                       std::size_t rows, std::size_t hs) {
-  const std::size_t row_bytes = hs * sizeof(float);
-  prefetch_lines(values, std::min(kOneQueryAhead, rows * stride * sizeof(float)));
-  for (std::size_t d0 = 0; d0 < hs; d0 += 64) {  // 4 accumulators of 16 dimensions
-    const std::size_t w = std::min<std::size_t>(64, hs - d0);
-    __mmask16 m[4];
-    __m512 acc[4];
-    KVDECODE_UNROLL
-    for (int j = 0; j < 4; ++j) {
-      const std::size_t lo = static_cast<std::size_t>(j) * 16;
-      const std::size_t here = w > lo ? std::min<std::size_t>(16, w - lo) : 0;
-      m[j] = static_cast<__mmask16>(here == 16 ? 0xFFFFu : (1u << here) - 1u);
-      acc[j] = _mm512_maskz_loadu_ps(m[j], o + d0 + lo);
-    }
-    for (std::size_t c = 0; c < rows; ++c) {
-      const float* v = values + c * stride + d0;
-      if (d0 == 0) prefetch_lines(reinterpret_cast<const char*>(v) + kOneQueryAhead, row_bytes);
-      const __m512 pc = _mm512_set1_ps(p[c]);
-      KVDECODE_UNROLL
-      for (int j = 0; j < 4; ++j)
-        acc[j] = _mm512_fmadd_ps(pc, _mm512_maskz_loadu_ps(m[j], v + j * 16), acc[j]);
-    }
-    KVDECODE_UNROLL
-    for (int j = 0; j < 4; ++j) _mm512_mask_storeu_ps(o + d0 + j * 16, m[j], acc[j]);
-  }
-}
-
 KVDECODE_INTRINSICS_END
 #endif  // KVDECODE_X86_KERNELS
 
@@ -419,37 +348,6 @@ inline void attention_pv(KernelSet ks, float* o, std::size_t o_stride, const flo
       for (std::size_t c = 0; c < rows; ++c) acc += p[r * p_stride + c] * v[c * v_stride + d];
       o[r * o_stride + d] += acc;
     }
-}
-
-/// Whether set ks has the one-query products (one_query_scores, one_query_pv): AVX-512.
-constexpr bool has_one_query_kernels(KernelSet ks) {
-  return KVDECODE_X86_KERNELS && (ks == KernelSet::kAvx512 || ks == KernelSet::kAvx512Bf16);
-}
-
-/// s [rows] = keys [rows][stride] · q [hs] · scale for one query, the keys read where they lie,
-/// with set ks (without has_one_query_kernels: plain loops, for tests).
-inline void one_query_scores(KernelSet ks, float* s, const float* q, const float* keys,
-                             std::size_t stride, std::size_t rows, std::size_t hs, float scale) {
-#if KVDECODE_X86_KERNELS
-  if (has_one_query_kernels(ks))
-    return one_query_scores_avx512(s, q, keys, stride, rows, hs, scale);
-#endif
-  for (std::size_t c = 0; c < rows; ++c) {
-    float acc = 0.0f;
-    for (std::size_t d = 0; d < hs; ++d) acc += q[d] * keys[c * stride + d];
-    s[c] = acc * scale;
-  }
-}
-
-/// o [hs] += p [rows] · values [rows][stride] for one query, with set ks (without
-/// has_one_query_kernels: plain loops, for tests).
-inline void one_query_pv(KernelSet ks, float* o, const float* p, const float* values,
-                         std::size_t stride, std::size_t rows, std::size_t hs) {
-#if KVDECODE_X86_KERNELS
-  if (has_one_query_kernels(ks)) return one_query_pv_avx512(o, p, values, stride, rows, hs);
-#endif
-  for (std::size_t c = 0; c < rows; ++c)
-    for (std::size_t d = 0; d < hs; ++d) o[d] += p[c] * values[c * stride + d];
 }
 
 }  // namespace kvdecode::detail

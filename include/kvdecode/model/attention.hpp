@@ -291,14 +291,10 @@ void attend_kv_head_coded(const ModelConfig& cfg, const S& store, std::size_t la
 /// the keys anyway and take p·v per block. A store that decodes into scratch
 /// (block_scratch_size() > 0) hands a block valid only during its callback, so its tiles end at
 /// every block.
-///
-/// one_query (a batched decode step's one query per sequence): f32 on a set with
-/// has_one_query_kernels takes the one-query products, which read each run where it lies and ask
-/// for its lines ahead, instead of Eigen's (other bits than decode()'s, within f32 rounding).
 template <class T, KvStore S>
 void attend_kv_head(const ModelConfig& cfg, const S& store, std::size_t layer, std::size_t g,
                     std::size_t q_first, std::size_t n, const T* q, T* out,
-                    AttentionScratch<T>& scratch, std::size_t t, bool one_query = false) {
+                    AttentionScratch<T>& scratch, std::size_t t) {
   if constexpr (std::is_same_v<T, float> && CodedKvStore<S, detail::CodedBlockSinkArchetype>) {
     const KernelSet cks = active_kernel_set();
     if (n <= kMaxCodedQueries && detail::coded_attention_kernels(cks))
@@ -345,8 +341,6 @@ void attend_kv_head(const ModelConfig& cfg, const S& store, std::size_t layer, s
   const KernelSet ks = active_kernel_set();
   const bool own_products = detail::attention_uses_kernels<T>(ks);
   T* const kt = own_products ? scratch.thread_packed_keys(t) : nullptr;  // [hs][kTile]
-  const bool one_q = std::is_same_v<T, float> && one_query && n == 1 && !own_products &&
-                     detail::has_one_query_kernels(ks);
 
   const auto flush = [&] {
     if (cols == 0) return;
@@ -361,7 +355,7 @@ void attend_kv_head(const ModelConfig& cfg, const S& store, std::size_t layer, s
     TileRun packed{};
     const TileRun* products = runs.data();  // [n_products]
     std::size_t n_products = n_runs;
-    if (!own_products && !one_q && n_runs > 1) {
+    if (!own_products && n_runs > 1) {
       T* const gk = scratch.thread_gathered(t);  // [kTile][hs]
       T* const gv = gk + kTile * hs;             // [kTile][hs]
       for (std::size_t k = 0; k < n_runs; ++k) {
@@ -406,13 +400,7 @@ void attend_kv_head(const ModelConfig& cfg, const S& store, std::size_t layer, s
           if (own_products)
             detail::attention_scores(ks, tile_scores + r0 * cols, cols, q + r0 * dim + h * hs, dim,
                                      kt, kTile, rb, vis, hs, scale);
-        if constexpr (std::is_same_v<T, float>)
-          if (one_q)  // n = 1: r0 = 0, one row of scores
-            for (std::size_t k = 0; k < n_runs; ++k)
-              if (const std::size_t take = taken(runs[k]); take > 0)
-                detail::one_query_scores(ks, tile_scores + runs[k].col, q + h * hs, runs[k].keys,
-                                         runs[k].stride, take, hs, scale);
-        for (std::size_t k = 0; k < n_products && !own_products && !one_q; ++k) {
+        for (std::size_t k = 0; k < n_products && !own_products; ++k) {
           const TileRun& run = products[k];
           const std::size_t take = taken(run);
           if (take == 0) break;
@@ -457,14 +445,6 @@ void attend_kv_head(const ModelConfig& cfg, const S& store, std::size_t layer, s
                 detail::attention_pv(ks, out + r0 * dim + h * hs, dim,
                                      tile_scores + r0 * cols + runs[k].col, cols, runs[k].values,
                                      runs[k].stride, rb, take, hs);
-            continue;
-          }
-        if constexpr (std::is_same_v<T, float>)
-          if (one_q) {
-            for (std::size_t k = 0; k < n_runs; ++k)
-              if (const std::size_t take = taken(runs[k]); take > 0)
-                detail::one_query_pv(ks, out + h * hs, tile_scores + runs[k].col, runs[k].values,
-                                     runs[k].stride, take, hs);
             continue;
           }
         for (std::size_t k = 0; k < n_products; ++k) {

@@ -419,7 +419,7 @@ class Model {
           const S& cache = *stores[part.seq];
           attend_kv_head(cfg, cache, l, i % n_kv_heads, cache.size() + part.pending_first,
                          part.rows, act.q.data() + part.row * dim, act.att.data() + part.row * dim,
-                         act.attention, t, /*one_query=*/true);
+                         act.attention, t);
         }
       });
     }
