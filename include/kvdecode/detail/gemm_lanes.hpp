@@ -341,28 +341,12 @@ KVDECODE_TARGET_AVX512 inline void tokens_tile_avx512(float* y, const float* xt,
   const std::size_t half = 8 * in;
   const char* pf = reinterpret_cast<const char*>(w + (r + kLaneRows) * in);
   const char* const pf_end = pf + next * in * sizeof(float);
-  // Four k per pass: the eight pointers move once for four steps, so the loop's overhead is a
-  // small share of its fmas (the order of each output's chain is unchanged).
-  const float* xk = xt;
-  const float* const xt_end4 = xt + in / 4 * 4 * 16;
-  for (; xk != xt_end4; xk += 64) {
+  const float* const xt_end = xt + in * 16;
+  for (const float* xk = xt; xk != xt_end; xk += 16) {
     if (pf < pf_end) {
-      for (int u = 0; u < 4; ++u) _mm_prefetch(pf + 64 * u, _MM_HINT_T1);
-      pf += 256;
+      _mm_prefetch(pf, _MM_HINT_T1);
+      pf += 64;
     }
-    KVDECODE_UNROLL
-    for (int u = 0; u < 4; ++u) {
-      const __m512 xv = _mm512_loadu_ps(xk + 16 * u);
-      KVDECODE_UNROLL
-      for (int i = 0; i < 8; ++i) {
-        a[i] = _mm512_fmadd_ps(_mm512_set1_ps(p[i][u]), xv, a[i]);
-        a[i + 8] = _mm512_fmadd_ps(_mm512_set1_ps(p[i][half + u]), xv, a[i + 8]);
-      }
-    }
-    KVDECODE_UNROLL
-    for (int i = 0; i < 8; ++i) p[i] += 4;
-  }
-  for (const float* const xt_end = xt + in * 16; xk != xt_end; xk += 16) {
     const __m512 xv = _mm512_loadu_ps(xk);
     KVDECODE_UNROLL
     for (int i = 0; i < 8; ++i) {
