@@ -376,7 +376,10 @@ void attend_kv_head(const ModelConfig& cfg, const S& store, std::size_t layer, s
       n_products = 1;
     }
     const auto ci = static_cast<Eigen::Index>(cols);
-    const std::size_t tile_first = runs[0].first;  // a tile's columns are consecutive positions
+    // A tile's columns are consecutive positions for every store but a masking one (a window's
+    // sinks and ring may share a tile): there vis may only be too large, and the mask below goes
+    // by each run's own first position.
+    const std::size_t tile_first = runs[0].first;
     for (std::size_t j = 0; j < kv_mul; ++j) {
       const std::size_t h = g * kv_mul + j;
       const detail::ConstStridedMap<T> qh(q + h * hs, ni, hsi, dims);
