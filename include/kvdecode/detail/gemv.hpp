@@ -71,6 +71,22 @@ inline void gemv_rows_bf16_portable(float* y, const bf16* w, const float* x, std
 KVDECODE_INTRINSICS_BEGIN
 
 // ---------------------------------------------------------------------------------------------
+// Prefetch: every set's GEMV asks for its weights' cache lines ahead of the loads.
+// ---------------------------------------------------------------------------------------------
+
+/// How far ahead of the weights being multiplied the GEMVs ask for their cache lines (into the
+/// next rows past a row's end): one core reading one row at a time keeps too few lines in
+/// flight to reach the memory's bandwidth, f32 or bf16, AVX2 or AVX-512.
+inline constexpr std::size_t kGemvPrefetchBytes = 2048;
+
+/// Asks for the cache line kGemvPrefetchBytes past p. Past the matrix's end that address may be
+/// unmapped: a prefetch instruction never faults, and the address is formed as an integer.
+KVDECODE_TARGET_AVX2 inline void prefetch_weights_ahead(const void* p) {
+  const std::uintptr_t ahead = reinterpret_cast<std::uintptr_t>(p) + kGemvPrefetchBytes;
+  _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);
+}
+
+// ---------------------------------------------------------------------------------------------
 // AVX2 + FMA: 8 lanes.
 // ---------------------------------------------------------------------------------------------
 
@@ -89,7 +105,8 @@ KVDECODE_TARGET_AVX2 inline float reduce_add_avx2(__m256 v) {
 /// R weight rows × N inputs (w [R][cols], x [N][cols]; y[j·y_stride + i]): every load of a
 /// weight row feeds N inputs and every load of an input feeds R rows. Each (row, input) sums
 /// the same way whatever R and N (two accumulators over alternate 8-column halves of every 16,
-/// the tail in the second), so the GEMV (R = N = 1) and gemm_few agree bit for bit.
+/// the tail in the second), so the GEMV (R = N = 1) and gemm_few agree bit for bit. kPrefetch:
+/// each 64-byte step of a row also asks for the line kGemvPrefetchBytes ahead (the GEMV).
 #if defined(__clang__)
 #define KVDECODE_UNROLL _Pragma("unroll")
 #elif defined(__GNUC__)
@@ -97,7 +114,7 @@ KVDECODE_TARGET_AVX2 inline float reduce_add_avx2(__m256 v) {
 #else
 #define KVDECODE_UNROLL
 #endif
-template <int R, int N>
+template <int R, int N, bool kPrefetch = false>
 KVDECODE_TARGET_AVX2 inline void dot_block_f32_avx2(float* y, std::size_t y_stride, const float* w,
                                                     const float* x, std::size_t cols) {
   __m256 acc0[R][N];
@@ -111,6 +128,7 @@ KVDECODE_TARGET_AVX2 inline void dot_block_f32_avx2(float* y, std::size_t y_stri
   for (; c + 16 <= cols; c += 16) {
     KVDECODE_UNROLL
     for (int i = 0; i < R; ++i) {
+      if constexpr (kPrefetch) prefetch_weights_ahead(wr(i) + c);
       const __m256 w0 = _mm256_loadu_ps(wr(i) + c);
       const __m256 w1 = _mm256_loadu_ps(wr(i) + c + 8);
       KVDECODE_UNROLL
@@ -150,7 +168,8 @@ KVDECODE_TARGET_AVX2 inline void dot_block_f32_avx2(float* y, std::size_t y_stri
 KVDECODE_TARGET_AVX2 inline void gemv_rows_f32_avx2(float* y, const float* w, const float* x,
                                                     std::size_t r0, std::size_t r1,
                                                     std::size_t cols) {
-  for (std::size_t r = r0; r < r1; ++r) dot_block_f32_avx2<1, 1>(y + r, 1, w + r * cols, x, cols);
+  for (std::size_t r = r0; r < r1; ++r)
+    dot_block_f32_avx2<1, 1, true>(y + r, 1, w + r * cols, x, cols);
 }
 
 /// 8 values rounded to bf16 (nearest-even) and widened back: bf16(float) of bf16.hpp, lane-wise.
@@ -171,22 +190,31 @@ KVDECODE_TARGET_AVX2 inline __m256 widen_bf16_avx2(const bf16* w) {
       _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))), 16));
 }
 
-/// One bf16 row · x: x already rounded (kRoundX false) or rounded here; same order as the f32
-/// GEMV (two accumulators over alternate 8-column halves, the tail in the second).
 template <bool kRoundX>
 KVDECODE_TARGET_AVX2 inline __m256 load_x_avx2(const float* p) {
   const __m256 v = _mm256_loadu_ps(p);
   return kRoundX ? round_bf16_avx2(v) : v;
 }
 
-template <bool kRoundX>
+/// One bf16 row · x: x already rounded (kRoundX false) or rounded here; same order as the f32
+/// GEMV (two accumulators over alternate 8-column halves, the tail in the second). kPrefetch:
+/// each 64-byte step also asks for the line kGemvPrefetchBytes ahead (the GEMV).
+template <bool kRoundX, bool kPrefetch = false>
 KVDECODE_TARGET_AVX2 inline float dot_bf16_avx2(const bf16* w, const float* x, std::size_t cols) {
   __m256 acc0 = _mm256_setzero_ps();
   __m256 acc1 = _mm256_setzero_ps();
   std::size_t c = 0;
-  for (; c + 16 <= cols; c += 16) {
+  for (; c + 32 <= cols; c += 32) {  // the 16-column step twice: one cache line of weights
+    if constexpr (kPrefetch) prefetch_weights_ahead(w + c);
     acc0 = _mm256_fmadd_ps(widen_bf16_avx2(w + c), load_x_avx2<kRoundX>(x + c), acc0);
     acc1 = _mm256_fmadd_ps(widen_bf16_avx2(w + c + 8), load_x_avx2<kRoundX>(x + c + 8), acc1);
+    acc0 = _mm256_fmadd_ps(widen_bf16_avx2(w + c + 16), load_x_avx2<kRoundX>(x + c + 16), acc0);
+    acc1 = _mm256_fmadd_ps(widen_bf16_avx2(w + c + 24), load_x_avx2<kRoundX>(x + c + 24), acc1);
+  }
+  if (c + 16 <= cols) {
+    acc0 = _mm256_fmadd_ps(widen_bf16_avx2(w + c), load_x_avx2<kRoundX>(x + c), acc0);
+    acc1 = _mm256_fmadd_ps(widen_bf16_avx2(w + c + 8), load_x_avx2<kRoundX>(x + c + 8), acc1);
+    c += 16;
   }
   if (c + 8 <= cols) {
     acc0 = _mm256_fmadd_ps(widen_bf16_avx2(w + c), load_x_avx2<kRoundX>(x + c), acc0);
@@ -210,10 +238,10 @@ KVDECODE_TARGET_AVX2 inline void gemv_rows_bf16_avx2(float* y, const bf16* w, co
     std::size_t c = 0;
     for (; c + 8 <= cols; c += 8) _mm256_store_ps(xr + c, round_bf16_avx2(_mm256_loadu_ps(x + c)));
     for (; c < cols; ++c) xr[c] = static_cast<float>(bf16(x[c]));
-    for (std::size_t r = r0; r < r1; ++r) y[r] = dot_bf16_avx2<false>(w + r * cols, xr, cols);
+    for (std::size_t r = r0; r < r1; ++r) y[r] = dot_bf16_avx2<false, true>(w + r * cols, xr, cols);
     return;
   }
-  for (std::size_t r = r0; r < r1; ++r) y[r] = dot_bf16_avx2<true>(w + r * cols, x, cols);
+  for (std::size_t r = r0; r < r1; ++r) y[r] = dot_bf16_avx2<true, true>(w + r * cols, x, cols);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -221,21 +249,16 @@ KVDECODE_TARGET_AVX2 inline void gemv_rows_bf16_avx2(float* y, const bf16* w, co
 // ---------------------------------------------------------------------------------------------
 
 /// One f32 row · x: each 64-byte load of x feeds the row, two accumulators hide the FMA latency
-/// (alternate 16-column halves of every 32, the tail in the second), as gemm_few sums.
-/// How far ahead of the weights being multiplied the f32 GEMV asks for their cache lines (into
-/// the next rows past a row's end; past the matrix's end a prefetch is harmless): one core's
-/// sequential loads alone keep too few lines in flight to reach the memory's bandwidth.
-inline constexpr std::size_t kGemvPrefetchBytes = 2048;
-
+/// (alternate 16-column halves of every 32, the tail in the second), as gemm_few sums; each
+/// 128-byte step asks for the two lines kGemvPrefetchBytes ahead.
 KVDECODE_TARGET_AVX512 inline float dot_f32_avx512(const float* w, const float* x,
                                                    std::size_t cols) {
   __m512 acc0 = _mm512_setzero_ps();
   __m512 acc1 = _mm512_setzero_ps();
   std::size_t c = 0;
   for (; c + 32 <= cols; c += 32) {
-    const char* ahead = reinterpret_cast<const char*>(w + c) + kGemvPrefetchBytes;
-    _mm_prefetch(ahead, _MM_HINT_T0);
-    _mm_prefetch(ahead + 64, _MM_HINT_T0);
+    prefetch_weights_ahead(w + c);
+    prefetch_weights_ahead(w + c + 16);
     acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(w + c), _mm512_loadu_ps(x + c), acc0);
     acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(w + c + 16), _mm512_loadu_ps(x + c + 16), acc1);
   }
@@ -274,21 +297,23 @@ KVDECODE_TARGET_AVX512 inline __m512 widen_bf16_avx512(const bf16* w, __mmask16 
       _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, reinterpret_cast<const void*>(w))), 16));
 }
 
-/// One bf16 row · x without the BF16 instructions: weights widened, x rounded (kRoundX) or
-/// already rounded, then the f32 GEMV's order.
 template <bool kRoundX>
 KVDECODE_TARGET_AVX512 inline __m512 load_x_avx512(const float* p, __mmask16 m) {
   const __m512 v = _mm512_maskz_loadu_ps(m, p);
   return kRoundX ? round_bf16_avx512(v) : v;
 }
 
-template <bool kRoundX>
+/// One bf16 row · x without the BF16 instructions: weights widened, x rounded (kRoundX) or
+/// already rounded, then the f32 GEMV's order. kPrefetch: each 64-byte step also asks for the
+/// line kGemvPrefetchBytes ahead (the GEMV).
+template <bool kRoundX, bool kPrefetch = false>
 KVDECODE_TARGET_AVX512 inline float dot_bf16_avx512(const bf16* w, const float* x,
                                                     std::size_t cols) {
   __m512 acc0 = _mm512_setzero_ps();
   __m512 acc1 = _mm512_setzero_ps();
   std::size_t c = 0;
   for (; c + 32 <= cols; c += 32) {
+    if constexpr (kPrefetch) prefetch_weights_ahead(w + c);
     acc0 = _mm512_fmadd_ps(widen_bf16_avx512(w + c), load_x_avx512<kRoundX>(x + c, 0xFFFF), acc0);
     acc1 = _mm512_fmadd_ps(widen_bf16_avx512(w + c + 16),
                            load_x_avx512<kRoundX>(x + c + 16, 0xFFFF), acc1);
@@ -313,10 +338,11 @@ KVDECODE_TARGET_AVX512 inline void gemv_rows_bf16_avx512(float* y, const bf16* w
     for (; c + 16 <= cols; c += 16)
       _mm512_store_ps(xr + c, round_bf16_avx512(_mm512_loadu_ps(x + c)));
     for (; c < cols; ++c) xr[c] = static_cast<float>(bf16(x[c]));
-    for (std::size_t r = r0; r < r1; ++r) y[r] = dot_bf16_avx512<false>(w + r * cols, xr, cols);
+    for (std::size_t r = r0; r < r1; ++r)
+      y[r] = dot_bf16_avx512<false, true>(w + r * cols, xr, cols);
     return;
   }
-  for (std::size_t r = r0; r < r1; ++r) y[r] = dot_bf16_avx512<true>(w + r * cols, x, cols);
+  for (std::size_t r = r0; r < r1; ++r) y[r] = dot_bf16_avx512<true, true>(w + r * cols, x, cols);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -324,12 +350,18 @@ KVDECODE_TARGET_AVX512 inline void gemv_rows_bf16_avx512(float* y, const bf16* w
 // ---------------------------------------------------------------------------------------------
 
 /// One bf16 row · x, x converted to bf16 in the loop (inputs longer than kMaxStackCols).
+/// kPrefetch: each 128-byte step also asks for the two lines kGemvPrefetchBytes ahead (the GEMV).
+template <bool kPrefetch = false>
 KVDECODE_TARGET_AVX512BF16 inline float dot_bf16_dpbf16(const bf16* w, const float* x,
                                                         std::size_t cols) {
   __m512 acc0 = _mm512_setzero_ps();
   __m512 acc1 = _mm512_setzero_ps();
   std::size_t c = 0;
   for (; c + 64 <= cols; c += 64) {
+    if constexpr (kPrefetch) {
+      prefetch_weights_ahead(w + c);
+      prefetch_weights_ahead(w + c + 32);
+    }
     const __m512bh x0 = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + c + 16), _mm512_loadu_ps(x + c));
     const __m512bh x1 =
         _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + c + 48), _mm512_loadu_ps(x + c + 32));
@@ -348,13 +380,16 @@ KVDECODE_TARGET_AVX512BF16 inline float dot_bf16_dpbf16(const bf16* w, const flo
   return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
 }
 
-/// The same with x already converted (xb [cols], 64-byte aligned): a pure load + dot loop.
+/// The same with x already converted (xb [cols], 64-byte aligned): a pure load + dot loop,
+/// prefetching as dot_bf16_dpbf16<true>.
 KVDECODE_TARGET_AVX512BF16 inline float dot_bf16x_dpbf16(const bf16* w, const bf16* xb,
                                                          std::size_t cols) {
   __m512 acc0 = _mm512_setzero_ps();
   __m512 acc1 = _mm512_setzero_ps();
   std::size_t c = 0;
   for (; c + 64 <= cols; c += 64) {
+    prefetch_weights_ahead(w + c);
+    prefetch_weights_ahead(w + c + 32);
     const auto x0 = (__m512bh)_mm512_load_si512(xb + c);
     const auto x1 = (__m512bh)_mm512_load_si512(xb + c + 32);
     acc0 = _mm512_dpbf16_ps(acc0, (__m512bh)_mm512_loadu_si512(w + c), x0);
@@ -383,7 +418,7 @@ KVDECODE_TARGET_AVX512BF16 inline void gemv_rows_bf16_dpbf16(float* y, const bf1
     for (std::size_t r = r0; r < r1; ++r) y[r] = dot_bf16x_dpbf16(w + r * cols, xb, cols);
     return;
   }
-  for (std::size_t r = r0; r < r1; ++r) y[r] = dot_bf16_dpbf16(w + r * cols, x, cols);
+  for (std::size_t r = r0; r < r1; ++r) y[r] = dot_bf16_dpbf16<true>(w + r * cols, x, cols);
 }
 
 KVDECODE_INTRINSICS_END
