@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "counting_new.hpp"
+#include "engine_oracle.hpp"
 #include "kvdecode/kvdecode.hpp"
 #include "kvdecode/serving/pass_cost_model.hpp"
 #include "kvdecode/serving/sub_pass_planner.hpp"
@@ -120,21 +121,6 @@ TEST(PassCostModelTest, AClassFollowsItsLatestPasses) {
   ASSERT_TRUE(c.has_value());
   EXPECT_NEAR(c->token_ms, 1.0 / 99.0, 1e-9);
   EXPECT_NEAR(c->fixed_ms, 1.0 - 1.0 / 99.0, 1e-9);
-}
-
-/// The oracle: the request alone through generate() on a ContiguousStore.
-template <class T>
-Tokens alone(const Model<T>& model, const Tokens& prompt, const SamplerOptions& sampling,
-             std::size_t max_tokens) {
-  const ModelConfig& cfg = model.config();
-  ContiguousStore<T> cache(cfg);
-  Activations<T> act(cfg, {.max_chunk = 16});
-  Sampler sampler(cfg.vocab_size, sampling);
-  Tokens out;
-  generate(model, cache, act, std::span<const std::int32_t>(prompt), sampler,
-           GenerationOptions{.max_new_tokens = max_tokens},
-           [&](std::int32_t t) { out.push_back(t); });
-  return out;
 }
 
 // A fixed cost of one token: every split that helps a first token pays.

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "counting_new.hpp"
+#include "engine_oracle.hpp"
 #include "kvdecode/kvdecode.hpp"
 #include "test_util.hpp"
 
@@ -25,21 +26,6 @@ namespace kvdecode::testing_util {
 namespace {
 
 using Tokens = std::vector<std::int32_t>;
-
-/// The oracle: the request alone through generate() on a ContiguousStore of the model's length.
-template <class T>
-Tokens alone(const Model<T>& model, const Tokens& prompt, const SamplerOptions& sampling,
-             std::size_t max_tokens, std::int32_t stop_token = -1) {
-  const ModelConfig& cfg = model.config();
-  ContiguousStore<T> cache(cfg);
-  Activations<T> act(cfg, {.max_chunk = 16});
-  Sampler sampler(cfg.vocab_size, sampling);
-  Tokens out;
-  generate(model, cache, act, std::span<const std::int32_t>(prompt), sampler,
-           GenerationOptions{.max_new_tokens = max_tokens, .stop_token = stop_token},
-           [&](std::int32_t t) { out.push_back(t); });
-  return out;
-}
 
 void run_to_completion(Engine<double>& engine) {
   for (int i = 0; i < 100000 && engine.step(); ++i) {

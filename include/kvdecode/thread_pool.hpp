@@ -106,8 +106,8 @@ class ThreadPool {
   }
 
  private:
-  // ~20-50 µs of spinning at a few ns per pause: longer than any gap between a decode step's
-  // regions, short enough that an idle pool sleeps almost at once.
+  // Pauses before sleeping: enough to span any gap between a decode step's regions, few enough
+  // that an idle pool sleeps almost at once (a pause lasts some ns to tens of ns by CPU model).
   static constexpr int kSpins = 1 << 13;
 
   static void pause() {
