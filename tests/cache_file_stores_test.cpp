@@ -15,6 +15,7 @@
 #include <iterator>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -544,6 +545,31 @@ TEST_F(CachePoolTest, ForkedSequencesComeBackSharingTheirBlocks) {
   PagedStore<float> reuse = PagedStore<float>::open(pool2, request);
   EXPECT_EQ(reuse.size(), 16u);
   EXPECT_EQ(pool2.stats().hits - hits, 4u);
+}
+
+// Restored blocks ask for one run of all of them (BlockPool::acquire's `want`): in a pool whose
+// blocks 0-1 a bystander holds, the n saved blocks fill [2 + (62 - n) / 2, + n), centred in the
+// free run [2, 64), whatever their sharing. (Asking for one block at a time centres the first
+// alone, at 2 + 61 / 2.)
+TEST_F(CachePoolTest, RestoredBlocksAreOneRunCentredInTheLongestFreeRun) {
+  kvdecode::save_pool(fingerprint_, pool_, pointers(seqs_), file_);
+  const std::size_t n = pool_.n_held();
+  BlockPool<float> pool2(cfg_, 64, 4);  // keep_runs, the default
+  PagedStore<float> bystander(pool2);
+  model_.prefill(random_tokens(6, cfg_.vocab_size, 8), bystander, act_);
+  ASSERT_EQ(bystander.block_table().size(), 2u);
+  std::vector<PagedStore<float>> restored;
+  for (std::size_t i = 0; i < seqs_.size(); ++i) restored.emplace_back(pool2);
+  std::vector<PagedStore<float>*> targets;
+  for (auto& s : restored) targets.push_back(&s);
+  kvdecode::restore_pool(fingerprint_, pool2, targets, file_);
+  std::set<std::size_t> blocks;
+  for (const auto& s : restored) blocks.insert(s.block_table().begin(), s.block_table().end());
+  ASSERT_EQ(blocks.size(), n);
+  const std::size_t first = 2 + (62 - n) / 2;
+  EXPECT_EQ(*blocks.begin(), first);
+  EXPECT_EQ(*blocks.rbegin(), first + n - 1);  // n distinct blocks in [first, first + n)
+  pool2.check_invariants();
 }
 
 TEST_F(CachePoolTest, RestoringIntoTheSameSequencesReusesTheirBlocks) {

@@ -279,6 +279,26 @@ TEST(PagedStoreTest, PromptsTakenTogetherLeaveEachSequenceRoomToGrow) {
   pool.check_invariants();
 }
 
+// A fork's first append copies the shared partial last block and takes fresh blocks after it:
+// the copy asks for all of them (want = copy + fresh), so the run is centred as one. Parent at
+// blocks 0-1 (6 rows of 4), the child appends 9 rows (positions 6..14): the copy and 2 fresh
+// blocks, 3 in all, in the free run [2, 20), which block 1 (held) precedes: at 2 + (18 - 3) / 2
+// = 9. (A copy that asked for itself alone would sit at 2 + (18 - 1) / 2 = 10.)
+TEST(PagedStoreTest, CopyOnWriteAppendIsCentredWithItsFreshBlocks) {
+  const ModelConfig cfg = small_config(4, 2, 64);
+  BlockPool<float> pool(cfg, 20, 4);
+  PagedStore<float> parent(pool);
+  write_rows(parent, 0, 6);
+  PagedStore<float> child = parent.fork();
+  write_rows(child, 6, 9);
+  const std::size_t first = 2 + (18 - 3) / 2;
+  const std::vector<std::size_t> expected = {0, first, first + 1, first + 2};
+  const auto table = child.block_table();
+  EXPECT_EQ(std::vector<std::size_t>(table.begin(), table.end()), expected);
+  EXPECT_EQ(parent.block_table()[1], 1u);  // the parent keeps the original
+  pool.check_invariants();
+}
+
 // A batch of sequences whose contexts straddle a block boundary (16..31 rows past 7 full blocks
 // of 16), set up one after another in a pool of exactly 9 blocks per sequence, then decoding in
 // turn and rolled back after each step: every sequence's table stays one run throughout, so

@@ -211,8 +211,8 @@ class PagedStore {
     // Each block asks for the one after the previous block, and says how many are still to
     // come, so the table stays one run where the pool allows (BlockPool::acquire).
     if (cow) {
-      const std::size_t copy =
-          pool_->acquire(table_.size() >= 2 ? table_[table_.size() - 2] : BlockPool<T>::kNone);
+      const std::size_t copy = pool_->acquire(
+          table_.size() >= 2 ? table_[table_.size() - 2] : BlockPool<T>::kNone, fresh + 1);
       pool_->copy_block(copy, table_.back());
       cow_from_ = std::exchange(table_.back(), copy);
     }
@@ -503,7 +503,8 @@ class PagedStore {
     const std::size_t bs = pool.block_size(), hs = pool.head_size();
     std::vector<std::uint64_t>& ids = s.first;  // reused: saved index → pool block id
     for (std::size_t k = 0, prev = BlockPool<T>::kNone; k < ids.size(); ++k) {
-      const std::size_t b = pool.acquire(prev);  // the saved blocks in one run where they fit
+      // The saved blocks in one run where they fit: each says how many are still to come.
+      const std::size_t b = pool.acquire(prev, ids.size() - k);
       prev = b;
       for (std::uint64_t r = 1; r < s.holders[k]; ++r) pool.retain(b);
       const std::size_t run = static_cast<std::size_t>(s.rows[k]) * hs;
