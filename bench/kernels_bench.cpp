@@ -10,6 +10,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <map>
 #include <memory>
 #include <stdexcept>
@@ -282,43 +283,65 @@ void BM_FewTokens(benchmark::State& state) {
 }
 
 BENCHMARK(BM_GemvEigen)->UseRealTime()->Unit(benchmark::kMicrosecond);
-BENCHMARK_TEMPLATE(BM_Gemv, float)
-    ->ArgsProduct({{1, 2}, {0, 1, 2, 3}})
-    ->ArgNames({"threads", "set"})
-    ->UseRealTime()
-    ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_GemvBf16Portable)->UseRealTime()->Unit(benchmark::kMicrosecond);
-BENCHMARK_TEMPLATE(BM_Gemv, bf16)
-    ->ArgsProduct({{1, 2}, {0, 1, 2, 3}})
-    ->ArgNames({"threads", "set"})
-    ->UseRealTime()
-    ->Unit(benchmark::kMicrosecond);
 BENCHMARK_TEMPLATE(BM_Gemm, float)->Arg(1)->Arg(2)->UseRealTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK_TEMPLATE(BM_Gemm, bf16)->Arg(1)->Arg(2)->UseRealTime()->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_GemmAmx)  // 128 tokens through the projections of the 15M, 42M and 110M shapes
-    ->ArgsProduct({{128}, {288, 768}, {288, 768}, {0, 1}})
-    ->ArgsProduct({{128}, {512, 1376}, {512, 1376}, {0, 1}})
-    ->ArgsProduct({{128}, {768, 2048}, {768, 2048}, {0, 1}})
-    ->ArgsProduct({{4, 8, 16}, {768, 2048}, {768}, {0}})  // batched-decode sizes
-    ->ArgNames({"n", "out", "in", "prepacked"})
-    ->UseRealTime()
-    ->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_GemmFewBf16)
-    ->ArgsProduct({{4, 8, 16}, {768, 2048}, {768}})
-    ->ArgNames({"n", "out", "in"})
-    ->UseRealTime()
-    ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_FewTokens)
     ->ArgsProduct({{2, 4, 16}, {0, 1, 2}, {0, 1}})
     ->ArgNames({"n", "lanes", "classifier"})
     ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
 
+/// The benchmarks of instruction sets: registered for what this CPU runs, and a line on standard
+/// error for each one it cannot (a skip, where SkipWithError would report a failure).
+void register_by_cpu() {
+  std::vector<std::int64_t> sets;
+  for (std::size_t i = 0; i < kKernelSets.size(); ++i) {
+    if (cpu_supports(kKernelSets[i])) {
+      sets.push_back(static_cast<std::int64_t>(i));
+    } else {
+      std::fprintf(stderr, "kernels_bench: skipped BM_Gemv/set:%zu: this CPU cannot run %s\n", i,
+                   std::string(kernel_set_name(kKernelSets[i])).c_str());
+    }
+  }
+  for (auto* b : {benchmark::RegisterBenchmark("BM_Gemv<float>", BM_Gemv<float>),
+                  benchmark::RegisterBenchmark("BM_Gemv<bf16>", BM_Gemv<bf16>)})
+    b->ArgsProduct({{1, 2}, sets})
+        ->ArgNames({"threads", "set"})
+        ->UseRealTime()
+        ->Unit(benchmark::kMicrosecond);
+  if (cpu_supports_amx()) {
+    benchmark::RegisterBenchmark("BM_GemmAmx", BM_GemmAmx)
+        // 128 tokens through the projections of the 15M, 42M and 110M shapes
+        ->ArgsProduct({{128}, {288, 768}, {288, 768}, {0, 1}})
+        ->ArgsProduct({{128}, {512, 1376}, {512, 1376}, {0, 1}})
+        ->ArgsProduct({{128}, {768, 2048}, {768, 2048}, {0, 1}})
+        ->ArgsProduct({{4, 8, 16}, {768, 2048}, {768}, {0}})  // batched-decode sizes
+        ->ArgNames({"n", "out", "in", "prepacked"})
+        ->UseRealTime()
+        ->Unit(benchmark::kMicrosecond);
+  } else {
+    std::fprintf(stderr,
+                 "kernels_bench: skipped BM_GemmAmx: this CPU lacks AMX-BF16 or the OS refused "
+                 "the tiles\n");
+  }
+  if (cpu_supports(KernelSet::kAvx512Bf16)) {
+    benchmark::RegisterBenchmark("BM_GemmFewBf16", BM_GemmFewBf16)
+        ->ArgsProduct({{4, 8, 16}, {768, 2048}, {768}})
+        ->ArgNames({"n", "out", "in"})
+        ->UseRealTime()
+        ->Unit(benchmark::kMicrosecond);
+  } else {
+    std::fprintf(stderr, "kernels_bench: skipped BM_GemmFewBf16: this CPU lacks AVX512_BF16\n");
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   check_odd_sizes<float>();
   check_odd_sizes<bf16>();
+  register_by_cpu();
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   benchmark::RunSpecifiedBenchmarks();
