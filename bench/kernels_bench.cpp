@@ -1,13 +1,15 @@
 // The projection kernels alone, each beside its baseline: the GEMV of every kernel set this CPU
 // runs against Eigen's (f32) and the portable loop (bf16), on the 110M classifier's shape
-// (32000 × 768, 98 MB of f32, 3× the L3, so every call streams from DRAM), at 1 and 2 threads;
-// the threaded GEMM of prefill on a 110M FFN shape; a batched step's few-token kernels
-// (gemm_few, gemm_lanes) in L2 and streaming; and, where the CPU has AMX, the AMX GEMM with
-// per-call and pre-packed weight panels beside gemm_few. Before any timing, every set's GEMV and
-// GEMM are checked against the naive loop on odd sizes (every masked tail), and each timed
-// kernel on its own shape.
+// (32000 × 768, 98 MB of f32: from DRAM where the L3 is smaller, partly from the L3 where it is
+// not), at 1 and 2 threads; the threaded GEMM of prefill on a 110M FFN shape; a batched step's
+// few-token kernels (gemm_few, gemm_lanes) in L2 and streaming, and one token's GEMV beside 16
+// tokens' gemm_lanes over a 1 GiB ring of matrices (from DRAM on any L3); and, where the CPU
+// has AMX, the AMX GEMM with per-call and pre-packed weight panels beside gemm_few. Before any
+// timing, every set's GEMV and GEMM are checked against the naive loop on odd sizes (every
+// masked tail), and each timed kernel on its own shape.
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -282,10 +284,58 @@ void BM_FewTokens(benchmark::State& state) {
       benchmark::Counter::kIsRate);
 }
 
+/// One token's GEMV against 16 tokens' gemm_lanes (the thread's panel: tokens in lanes), each
+/// call on the next of a ring of 1376 × 512 matrices (42M's w1) filling kStreamBytes, so every
+/// call reads its weights from DRAM whatever the L3: the streaming rate one core reaches with
+/// and without a batch's arithmetic between its loads.
+constexpr std::size_t kStreamBytes = std::size_t{1} << 30;
+
+void BM_StreamedProjection(benchmark::State& state) {
+  const std::size_t n = state.range(0) == 0 ? 1 : 16;
+  constexpr std::size_t out = 1376;
+  constexpr std::size_t in = 512;
+  const std::size_t count = kStreamBytes / (out * in * sizeof(float));
+  AlignedBuffer<float> ring(count * out * in);  // [count][out][in]
+  detail::SplitMix64 rng(7);
+  for (std::size_t i = 0; i < out * in; ++i) ring[i] = static_cast<float>(rng.symmetric());
+  for (std::size_t m = 1; m < count; ++m) std::copy_n(ring.data(), out * in, &ring[m * out * in]);
+  const AlignedBuffer<float> x = random_buffer<float>(n * in, 8);
+  AlignedBuffer<float> y(n * out);
+  AlignedBuffer<float> panel(detail::kPanelRows * in);  // [kPanelRows][in] the thread's scratch
+  const KernelSet ks = active_kernel_set();
+  state.SetLabel(std::string(kernel_set_name(ks)) + (n == 1 ? " gemv" : " gemm_lanes+panel"));
+  std::size_t m = 0;
+  const auto run = [&] {
+    const float* w = &ring[m * out * in];
+    if (n == 1) {
+      detail::gemv_rows(ks, y.data(), w, x.data(), 0, out, in);
+    } else {
+      detail::gemm_lanes(ks, y.data(), x.data(), w, n, in, out, 0, out, panel.data());
+    }
+    m = (m + 1) % count;
+  };
+  run();
+  check_against_naive(y.data(), ring.data(), x.data(), n, out, in, "streamed projection");
+  for (auto _ : state) {
+    run();
+    benchmark::DoNotOptimize(y.data());
+  }
+  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations() * out * in * sizeof(float)));
+  state.counters["GFLOP/s"] = benchmark::Counter(
+      2.0 * static_cast<double>(n * in * out) * static_cast<double>(state.iterations()) * 1e-9,
+      benchmark::Counter::kIsRate);
+}
+
 BENCHMARK(BM_GemvEigen)->UseRealTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_GemvBf16Portable)->UseRealTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK_TEMPLATE(BM_Gemm, float)->Arg(1)->Arg(2)->UseRealTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK_TEMPLATE(BM_Gemm, bf16)->Arg(1)->Arg(2)->UseRealTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_StreamedProjection)
+    ->ArgName("batch16")
+    ->Arg(0)
+    ->Arg(1)
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_FewTokens)
     ->ArgsProduct({{2, 4, 16}, {0, 1, 2}, {0, 1}})
     ->ArgNames({"n", "lanes", "classifier"})
