@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
+#include <span>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -132,6 +133,29 @@ TEST(SamplerTest, TopPKeepsTheNucleus) {
   EXPECT_NEAR(f[3], 0.3 / 0.8, 0.01);
   EXPECT_EQ(f[0], 0.0);
   EXPECT_EQ(f[2], 0.0);
+}
+
+// run.c drops candidates below (1 - top_p) / (n - 1) before sorting; with top_p < 1/n a flat
+// distribution has all of them below it (there run.c reads before its array). By the rule's
+// definition the nucleus is then the first candidate in (probability, index) order whose
+// running sum exceeds top_p: two equal tokens and top_p 0.4 keep token 0 alone (0.5 > 0.4).
+TEST(SamplerTest, TopPBelowOneOverNOnAFlatDistributionKeepsTheFirstCandidate) {
+  const std::vector<double> p = {0.5, 0.5};
+  Sampler s(2, SamplerOptions{1.0, 0.4, 0, 5});
+  const std::vector<float> skewed = logits_of({0.1, 0.9});
+  const std::vector<float> flat = logits_of(p);
+  for (int i = 0; i < 100; ++i) {
+    // A skewed draw first, so no candidate list of an earlier call can answer for the flat one.
+    ASSERT_EQ(s.sample(std::span<const float>(skewed)), 1);
+    ASSERT_EQ(s.sample(std::span<const float>(flat)), 0) << "draw " << i;
+  }
+  std::vector<double> probs(p.begin(), p.end());
+  std::vector<std::int32_t> order(2);
+  const auto kept =
+      detail::top_k_top_p(std::span<const double>(probs), 2, 0.4, std::span<std::int32_t>(order));
+  EXPECT_EQ(kept.count, 1u);
+  EXPECT_EQ(order[0], 0);
+  EXPECT_EQ(kept.mass, 0.5);
 }
 
 TEST(SamplerTest, TopKKeepsTheKMostLikely) {

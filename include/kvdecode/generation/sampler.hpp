@@ -48,6 +48,50 @@ class XorShiftRng {
   std::uint64_t state_;
 };
 
+namespace detail {
+
+/// The candidates top-k then top-p keep (run.c sample_topp()), for probabilities P = float (the
+/// Sampler, as run.c) or double (speculative decoding's exact distribution): candidates below
+/// (1 - top_p) / (n - 1) dropped first (the others hold more than top_p, unless all n are below
+/// it), the rest sorted by probability, descending (ties by index, where run.c's qsort leaves
+/// them unspecified), cut after the k-th and after the first whose running sum exceeds top_p
+/// (all of them when none does). Writes the kept ids to order[0..count) and returns count and
+/// their summed probability.
+template <class P>
+struct KeptCandidates {
+  std::size_t count;
+  P mass;
+};
+template <class P>
+KeptCandidates<P> top_k_top_p(std::span<const P> probs, std::size_t k, P top_p,
+                              std::span<std::int32_t> order) {
+  const std::size_t n = probs.size();
+  const P cutoff = top_p < P(1) && n > 1 ? (P(1) - top_p) / static_cast<P>(n - 1) : P(0);
+  std::size_t m = 0;
+  for (std::size_t i = 0; i < n; ++i)
+    if (probs[i] >= cutoff) order[m++] = static_cast<std::int32_t>(i);
+  // With top_p < 1/n a flat distribution can leave every candidate below the cutoff (run.c then
+  // indexes before its array): all of them stay candidates.
+  if (m == 0)
+    for (; m < n; ++m) order[m] = static_cast<std::int32_t>(m);
+  const auto by_prob = [&](std::int32_t a, std::int32_t b) {
+    const P pa = probs[static_cast<std::size_t>(a)];
+    const P pb = probs[static_cast<std::size_t>(b)];
+    return pa > pb || (pa == pb && a < b);
+  };
+  const std::size_t keep_k = std::min(k, m);
+  std::partial_sort(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(keep_k),
+                    order.begin() + static_cast<std::ptrdiff_t>(m), by_prob);
+  P cumulative = 0;
+  for (std::size_t i = 0; i < keep_k; ++i) {
+    cumulative += probs[static_cast<std::size_t>(order[i])];
+    if (cumulative > top_p) return {i + 1, cumulative};
+  }
+  return {keep_k, cumulative};
+}
+
+}  // namespace detail
+
 /// Samples token ids from logits. Holds its scratch ([vocab_size] probabilities and indices), so
 /// sampling allocates nothing; not shareable between threads.
 class Sampler {
@@ -158,41 +202,17 @@ class Sampler {
     return static_cast<std::int32_t>(probs_.size() - 1);
   }
 
-  // Top-k then top-p (run.c sample_topp()): candidates sorted by probability, descending (ties
-  // by index, where run.c's qsort leaves them unspecified), cut after the k-th and after the
-  // first whose running sum exceeds top_p (all of them when none does), then sampled in
-  // proportion within the cut.
+  // Top-k then top-p (detail::top_k_top_p), sampled in proportion within the kept candidates.
   std::int32_t truncated(float coin, std::size_t k, float top_p) {
-    const std::size_t n = probs_.size();
-    // run.c drops candidates below (1 - top_p) / (n - 1) before sorting: they can't be kept.
-    const float cutoff = top_p < 1.0f && n > 1 ? (1.0f - top_p) / static_cast<float>(n - 1) : 0.0f;
-    std::size_t m = 0;
-    for (std::size_t i = 0; i < n; ++i)
-      if (probs_[i] >= cutoff) order_[m++] = static_cast<std::int32_t>(i);
-    const auto by_prob = [&](std::int32_t a, std::int32_t b) {
-      const float pa = probs_[static_cast<std::size_t>(a)];
-      const float pb = probs_[static_cast<std::size_t>(b)];
-      return pa > pb || (pa == pb && a < b);
-    };
-    const std::size_t keep_k = std::min(k, m);
-    std::partial_sort(order_.begin(), order_.begin() + static_cast<std::ptrdiff_t>(keep_k),
-                      order_.begin() + static_cast<std::ptrdiff_t>(m), by_prob);
-    float cumulative = 0.0f;
-    std::size_t last = keep_k - 1;
-    for (std::size_t i = 0; i < keep_k; ++i) {
-      cumulative += probs_[static_cast<std::size_t>(order_[i])];
-      if (cumulative > top_p) {
-        last = i;
-        break;
-      }
-    }
-    const float r = coin * cumulative;
+    const auto kept = detail::top_k_top_p(std::span<const float>(probs_), k, top_p,
+                                          std::span<std::int32_t>(order_));
+    const float r = coin * kept.mass;
     float cdf = 0.0f;
-    for (std::size_t i = 0; i <= last; ++i) {
+    for (std::size_t i = 0; i < kept.count; ++i) {
       cdf += probs_[static_cast<std::size_t>(order_[i])];
       if (r < cdf) return order_[i];
     }
-    return order_[last];
+    return order_[kept.count - 1];
   }
 
   SamplerOptions options_;

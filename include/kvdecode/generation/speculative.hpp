@@ -96,8 +96,8 @@ class PromptLookupDrafter {
 namespace detail {
 
 /// The distribution Sampler draws from for these logits: softmax(logits / temperature), cut by
-/// top-k and top-p as Sampler::truncated() cuts it, renormalised. probs [vocab_size] receives
-/// it; order [vocab_size] is scratch. Needs temperature > 0.
+/// top-k and top-p as Sampler cuts it (top_k_top_p, in double), renormalised. probs [vocab_size]
+/// receives it; order [vocab_size] is scratch. Needs temperature > 0.
 template <class T>
 void sampling_distribution(std::span<const T> logits, const SamplerOptions& options,
                            std::span<double> probs, std::span<std::int32_t> order) {
@@ -115,32 +115,12 @@ void sampling_distribution(std::span<const T> logits, const SamplerOptions& opti
   const bool use_k = options.top_k > 0 && static_cast<std::size_t>(options.top_k) < n;
   const bool use_p = options.top_p > 0.0 && options.top_p < 1.0;
   if (!use_k && !use_p) return;
-  const std::size_t k = use_k ? static_cast<std::size_t>(options.top_k) : n;
-  const double top_p = use_p ? options.top_p : 1.0;
-  const double cutoff = top_p < 1.0 && n > 1 ? (1.0 - top_p) / static_cast<double>(n - 1) : 0.0;
-  std::size_t m = 0;
-  for (std::size_t i = 0; i < n; ++i)
-    if (probs[i] >= cutoff) order[m++] = static_cast<std::int32_t>(i);
-  const auto by_prob = [&](std::int32_t a, std::int32_t b) {
-    const double pa = probs[static_cast<std::size_t>(a)];
-    const double pb = probs[static_cast<std::size_t>(b)];
-    return pa > pb || (pa == pb && a < b);
-  };
-  const std::size_t keep_k = std::min(k, m);
-  std::partial_sort(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(keep_k),
-                    order.begin() + static_cast<std::ptrdiff_t>(m), by_prob);
-  double kept = 0;
-  std::size_t last = keep_k - 1;
-  for (std::size_t i = 0; i < keep_k; ++i) {
-    kept += probs[static_cast<std::size_t>(order[i])];
-    if (kept > top_p) {
-      last = i;
-      break;
-    }
-  }
-  // Keep order[0..last] (marked by a negative sign), zero the rest, renormalise.
-  for (std::size_t i = 0; i <= last; ++i) probs[static_cast<std::size_t>(order[i])] *= -1.0;
-  for (std::size_t i = 0; i < n; ++i) probs[i] = probs[i] < 0 ? -probs[i] / kept : 0.0;
+  const auto kept = top_k_top_p(std::span<const double>(probs),
+                                use_k ? static_cast<std::size_t>(options.top_k) : n,
+                                use_p ? options.top_p : 1.0, order);
+  // Keep order[0..count) (marked by a negative sign), zero the rest, renormalise.
+  for (std::size_t i = 0; i < kept.count; ++i) probs[static_cast<std::size_t>(order[i])] *= -1.0;
+  for (std::size_t i = 0; i < n; ++i) probs[i] = probs[i] < 0 ? -probs[i] / kept.mass : 0.0;
 }
 
 /// Index drawn from probs [n] (summing to 1 up to rounding) with a uniform coin in [0, 1).
