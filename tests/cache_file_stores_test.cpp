@@ -89,7 +89,11 @@ struct Kind<Int8Store<float>> {
     return std::make_unique<Holder>(Holder{Int8Store<float>(cfg, other ? 30 : 0)});
   }
   static constexpr const char* kOtherOption = nullptr;
-  static constexpr double kTolerance = 0.15;
+  // An empirical guard (the derived bounds are in quant_error_budget_test.cpp): over 30 random
+  // models of this shape (weight seeds 11-40), the worst |Δlogit| / (1 + |ref|) of 32 decode
+  // steps measured 0.049-0.18, mean 0.084 (the symmetric format before: up to 0.16, mean
+  // 0.094); seed 11, this test's, is the 0.18.
+  static constexpr double kTolerance = 0.25;
   static constexpr std::size_t kWindow = 0;
 };
 
@@ -358,6 +362,17 @@ TYPED_TEST(CacheFileStoreTest, EveryBadFileIsRefusedAndChangesNothing) {
                               std::to_string(k.tag) + "), cannot restore into a " +
                               std::string(TypeParam::kName) + " store (tag " +
                               std::to_string(TypeParam::kFileTag) + ")");
+  }
+  // Retired tags, whose payloads this build would misread (docs/FORMATS.md): 3, the int8 store
+  // with f32 scales (the same bytes as today's f16 ranges), and 5, the 4-bit store before its
+  // residual window.
+  for (const std::uint32_t retired : {3u, 5u}) {
+    auto b = good;
+    put_u32(b, cf::kOffStoreTag, retired);
+    reseal(b);
+    write_bytes(bad, b);
+    this->expect_rejected(t, before, bad,
+                          "saved from a unknown store (tag " + std::to_string(retired) + ")");
   }
   // Another model (same shape, other weights).
   const ModelFingerprint other =

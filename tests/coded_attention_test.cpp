@@ -66,41 +66,51 @@ TEST(CodedAttentionTest, Int8KernelsMatchTheFormula) {
     for (const Shape sh : kShapes) {
       detail::SplitMix64 rng(sh.hs * 131 + sh.rows);
       const std::size_t hs = sh.hs, rows = sh.rows;
-      std::vector<float> q(hs), ks_(rows), vs(rows), p(rows), w(rows);
-      std::vector<std::int8_t> kc(rows * hs), vc(rows * hs);  // [rows][hs]
+      std::vector<float> q(hs), p(rows), w(rows);
+      std::vector<std::uint16_t> kmin(rows), kstep(rows), vmin(rows), vstep(rows);  // f16
+      std::vector<std::uint8_t> kc(rows * hs), vc(rows * hs);                       // [rows][hs]
       for (float& x : q) x = uniform(rng);
       for (std::size_t r = 0; r < rows; ++r) {
-        ks_[r] = std::abs(uniform(rng)) / 127;
-        vs[r] = std::abs(uniform(rng)) / 127;
+        kmin[r] = random_f16(rng, true);
+        kstep[r] = random_f16(rng, false);
+        vmin[r] = random_f16(rng, true);
+        vstep[r] = random_f16(rng, false);
         p[r] = std::abs(uniform(rng));
       }
-      for (auto& c : kc) c = static_cast<std::int8_t>(static_cast<int>(rng.next() % 255) - 127);
-      for (auto& c : vc) c = static_cast<std::int8_t>(static_cast<int>(rng.next() % 255) - 127);
+      for (auto& c : kc) c = static_cast<std::uint8_t>(rng.next());
+      for (auto& c : vc) c = static_cast<std::uint8_t>(rng.next());
       const float scale = 0.3f;
       std::vector<float> s(rows, -1.0f);
-      detail::coded_scores_int8(ks, s.data(), q.data(), kc.data(), ks_.data(), rows, hs, scale);
+      detail::coded_scores_int8(ks, s.data(), q.data(), kc.data(), kmin.data(), kstep.data(), rows,
+                                hs, scale);
       for (std::size_t r = 0; r < rows; ++r) {
-        double want = 0, mag = 0;
+        // (step · Σ q c + min · Σ q) · scale: each sum of hs terms, then three operations.
+        double dot = 0, dot_mag = 0, qsum = 0, qsum_mag = 0;
         for (std::size_t c = 0; c < hs; ++c) {
-          want += double{q[c]} * kc[r * hs + c];
-          mag += std::abs(double{q[c]} * kc[r * hs + c]);
+          dot += double{q[c]} * kc[r * hs + c];
+          dot_mag += std::abs(double{q[c]} * kc[r * hs + c]);
+          qsum += q[c];
+          qsum_mag += std::abs(q[c]);
         }
-        want *= double{ks_[r]} * scale;
-        mag *= double{ks_[r]} * scale;
+        const double want = (f16(kstep[r]) * dot + f16(kmin[r]) * qsum) * scale;
+        const double mag = (f16(kstep[r]) * dot_mag + std::abs(f16(kmin[r])) * qsum_mag) * scale;
         ASSERT_NEAR(s[r], want, static_cast<double>(hs + 6) * kUnit * mag)
             << kernel_set_name(ks) << " hs " << hs << " row " << r;
       }
       std::vector<float> o(hs);
       for (float& x : o) x = uniform(rng);
       const std::vector<float> o0 = o;
-      detail::coded_pv_int8(ks, o.data(), p.data(), w.data(), vc.data(), vs.data(), rows, hs);
+      detail::coded_pv_int8(ks, o.data(), p.data(), w.data(), vc.data(), vmin.data(), vstep.data(),
+                            rows, hs);
       for (std::size_t c = 0; c < hs; ++c) {
         double want = o0[c], mag = std::abs(double{o0[c]});
         for (std::size_t r = 0; r < rows; ++r) {
-          want += double{p[r]} * vs[r] * vc[r * hs + c];
-          mag += std::abs(double{p[r]} * vs[r] * vc[r * hs + c]);
+          const double v = f16(vmin[r]) + f16(vstep[r]) * vc[r * hs + c];
+          want += double{p[r]} * v;
+          mag +=
+              std::abs(double{p[r]} * f16(vmin[r])) + double{p[r]} * f16(vstep[r]) * vc[r * hs + c];
         }
-        ASSERT_NEAR(o[c], want, static_cast<double>(rows + 6) * kUnit * mag)
+        ASSERT_NEAR(o[c], want, static_cast<double>(2 * rows + 6) * kUnit * mag)
             << kernel_set_name(ks) << " hs " << hs << " rows " << rows << " channel " << c;
       }
     }
@@ -186,8 +196,9 @@ void decode_rows(const S& s, std::size_t l, std::size_t g, std::size_t end,
       double* v = values.data() + (b.first + r) * hs;
       if constexpr (std::is_same_v<B, Int8KvBlock>) {
         for (std::size_t c = 0; c < hs; ++c) {
-          k[c] = static_cast<double>(b.keys[r * hs + c]) * b.key_scales[r];
-          v[c] = static_cast<double>(b.values[r * hs + c]) * b.value_scales[r];
+          k[c] = f16(b.key_min[r]) + static_cast<double>(b.keys[r * hs + c]) * f16(b.key_step[r]);
+          v[c] = f16(b.value_min[r]) +
+                 static_cast<double>(b.values[r * hs + c]) * f16(b.value_step[r]);
         }
       } else if constexpr (std::is_same_v<B, LowBitKvBlock>) {
         const std::size_t per = 8 / b.bits, row_bytes = hs / per;

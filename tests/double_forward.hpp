@@ -202,19 +202,36 @@ inline std::vector<double> double_forward(const DoubleWeights& w,
   return logits;
 }
 
+/// The f16 values next to x toward −∞ (at_most) or +∞ (at_least) for |x| ≤ 65504, written
+/// here from the binary16 layout: 11 significant bits, spacing 2^-24 below 2^-14.
+inline double f16_spacing(double x) {
+  const double a = std::abs(x);
+  if (a < 0x1p-14) return 0x1p-24;
+  int e = 0;
+  std::frexp(a, &e);  // a = m · 2^e, m in [0.5, 1)
+  return std::ldexp(1.0, e - 11);
+}
+inline double f16_at_most(double x) { return std::floor(x / f16_spacing(x)) * f16_spacing(x); }
+inline double f16_at_least(double x) { return std::ceil(x / f16_spacing(x)) * f16_spacing(x); }
+
 /// x [n][head_size] after Int8Store's quantization as int8_store.hpp specifies it, written again
-/// here: per row, s = max|x| / 127 and q = round(x · 127 / max|x|) in f32, x̂ = q·s.
+/// here: per row, in f32, min = the f16 at most min x, step = the f16 at least
+/// (max x − min) / 255, q = round((x − min) / step) in [0, 255], x̂ = min + q · step.
 inline std::vector<double> int8_round_trip(std::span<const double> x, std::size_t head_size) {
   std::vector<double> out(x.size());
   for (std::size_t h0 = 0; h0 < x.size(); h0 += head_size) {
-    float amax = 0;
-    for (std::size_t i = 0; i < head_size; ++i)
-      amax = std::max(amax, std::abs(static_cast<float>(x[h0 + i])));
-    const float s = amax / 127.0f, inv = amax > 0 ? 127.0f / amax : 0.0f;
+    float lo = static_cast<float>(x[h0]), hi = lo;
+    for (std::size_t i = 1; i < head_size; ++i) {
+      lo = std::min(lo, static_cast<float>(x[h0 + i]));
+      hi = std::max(hi, static_cast<float>(x[h0 + i]));
+    }
+    const auto mn = static_cast<float>(f16_at_most(lo));
+    const auto step = static_cast<float>(f16_at_least((hi - mn) / 255.0f));
+    const float inv = step > 0.0f ? 1.0f / step : 0.0f;
     for (std::size_t i = 0; i < head_size; ++i) {
       const float q =
-          std::clamp(std::nearbyint(static_cast<float>(x[h0 + i]) * inv), -127.0f, 127.0f);
-      out[h0 + i] = static_cast<double>(q) * static_cast<double>(s);
+          std::clamp(std::nearbyint((static_cast<float>(x[h0 + i]) - mn) * inv), 0.0f, 255.0f);
+      out[h0 + i] = static_cast<double>(mn) + static_cast<double>(q) * static_cast<double>(step);
     }
   }
   return out;

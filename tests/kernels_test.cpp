@@ -528,21 +528,33 @@ TEST_P(KernelSetTest, LinearGroupLargeGemvSplitsAcrossPoolBitIdentically) {
   EXPECT_EQ(one, three);
 }
 
-// Dequantization: int8 is one product per value, so every set must equal the portable loop bit
-// for bit; 4-bit keys and values are min + code·step, checked against that formula in double
-// within two f32 roundings (the multiply and the add, or one for a fused multiply-add).
-TEST_P(KernelSetTest, DequantizeInt8EqualsPortable) {
+// Dequantization: 8-bit, 4-bit keys and values are min + code·step, checked against that
+// formula in double within two f32 roundings (the multiply and the add, or one for a fused
+// multiply-add).
+bool near_min_code_step(float got, double min, double code, double step) {
+  const double exact = min + code * step;
+  return std::abs(got - exact) <= 0x1p-23 * (std::abs(min) + std::abs(code * step));
+}
+
+TEST_P(KernelSetTest, DequantizeInt8MatchesFormula) {
   for (const std::size_t hs : {1, 8, 15, 16, 17, 31, 32, 33, 48, 64, 65, 128}) {
     const std::size_t n = 5;
-    std::vector<std::int8_t> q(n * hs);
+    std::vector<std::uint8_t> q(n * hs);
     detail::SplitMix64 rng(hs);
-    for (auto& v : q) v = static_cast<std::int8_t>(static_cast<int>(rng.next() % 255) - 127);
-    const auto scale = random_vector<float>(n, hs + 1);
-    std::vector<float> got(n * hs), want(n * hs);
-    detail::dequantize_int8(ks(), q.data(), scale.data(), n, hs, got.data());
-    detail::dequantize_int8_portable(q.data(), scale.data(), n, hs, want.data());
-    EXPECT_EQ(got, want) << "head size " << hs;
-    EXPECT_EQ(got[n * hs - 1], static_cast<float>(q[n * hs - 1]) * scale[n - 1]);
+    for (auto& v : q) v = static_cast<std::uint8_t>(rng.next());
+    std::vector<std::uint16_t> mn(n), step(n);  // f16
+    const auto m = random_vector<float>(n, hs + 1), s = random_vector<float>(n, hs + 2);
+    for (std::size_t r = 0; r < n; ++r) {
+      mn[r] = detail::f16_from_float(m[r]);
+      step[r] = detail::f16_from_float(std::abs(s[r]) / 255);
+    }
+    std::vector<float> got(n * hs);
+    detail::dequantize_int8(ks(), q.data(), mn.data(), step.data(), n, hs, got.data());
+    for (std::size_t r = 0; r < n; ++r)
+      for (std::size_t c = 0; c < hs; ++c)
+        ASSERT_TRUE(near_min_code_step(got[r * hs + c], detail::f16_to_float(mn[r]), q[r * hs + c],
+                                       detail::f16_to_float(step[r])))
+            << "head size " << hs << " row " << r << " channel " << c;
   }
 }
 
@@ -558,10 +570,7 @@ TEST_P(KernelSetTest, DequantizeQ4MatchesFormula) {
     std::vector<float> keys(n * hs), values(n * hs);
     detail::dequantize_q4(ks(), kq.data(), kmin.data(), kstep.data(), vq.data(), vmin.data(),
                           vstep.data(), n, hs, keys.data(), values.data());
-    const auto near = [](float got, double min, double code, double step) {
-      const double exact = min + code * step;
-      return std::abs(got - exact) <= 0x1p-23 * (std::abs(min) + std::abs(code * step));
-    };
+    const auto near = near_min_code_step;
     for (std::size_t r = 0; r < n; ++r)
       for (std::size_t c = 0; c < hs; ++c) {
         const std::uint8_t kb = kq[r * hs / 2 + c / 2], vb = vq[r * hs / 2 + c / 2];

@@ -31,7 +31,8 @@ struct StoreTraits<Int8Store<T>> {
     return std::make_unique<Holder>(Holder{Int8Store<T>(cfg, capacity)});
   }
   static constexpr bool kExactRows = false;
-  // Half a step of the row's own scale: max|x| / 254 (plus f32 rounding of the scale).
+  // Half a step over the row's range: (max − min) / 510 ≤ max|x| / 255, which the f16 range
+  // widens by under 0.2 % (range_half_step): within max|x| / 254.
   static constexpr double kRowTolerance = 0.5 / 127 * (1 + 1e-6);
   // An empirical regression guard, not a derived bound (those are in
   // quant_error_budget_test.cpp): this small random model (head_size 16, sharp attention)
@@ -102,16 +103,24 @@ TEST(Int8StoreTest, EveryElementWithinHalfItsRowStep) {
     const auto g = gather(s, 1, h, n);
     ASSERT_EQ(g.indices.size(), n);
     for (std::size_t p = 0; p < n; ++p) {
-      // The step is recomputed here from the f32 row, not read back from the store.
-      double kmax = 0, vmax = 0;
+      // The step is recomputed here from the f32 row's range, not read back from the store.
+      double klo = 1e30, khi = -1e30, vlo = 1e30, vhi = -1e30;
       for (std::size_t c = 0; c < hs; ++c) {
-        kmax = std::max(kmax, std::abs(double{k[p * kv_dim + h * hs + c]}));
-        vmax = std::max(vmax, std::abs(double{v[p * kv_dim + h * hs + c]}));
+        klo = std::min(klo, double{k[p * kv_dim + h * hs + c]});
+        khi = std::max(khi, double{k[p * kv_dim + h * hs + c]});
+        vlo = std::min(vlo, double{v[p * kv_dim + h * hs + c]});
+        vhi = std::max(vhi, double{v[p * kv_dim + h * hs + c]});
       }
-      EXPECT_FLOAT_EQ(s.key_scale(1, h, p), static_cast<float>(kmax / 127));
+      // The stored range covers the row: min at or below its minimum, 255 steps reach its max.
+      const double mn = detail::f16_to_float(s.key_min(1, h, p));
+      const double step = detail::f16_to_float(s.key_step(1, h, p));
+      EXPECT_LE(mn, klo);
+      EXPECT_GE(mn + 255 * step, khi);
       for (std::size_t c = 0; c < hs; ++c) {
-        EXPECT_LE(std::abs(g.keys[p][c] - k[p * kv_dim + h * hs + c]), kmax / 254 * (1 + 1e-6));
-        EXPECT_LE(std::abs(g.values[p][c] - v[p * kv_dim + h * hs + c]), vmax / 254 * (1 + 1e-6));
+        EXPECT_LE(std::abs(g.keys[p][c] - k[p * kv_dim + h * hs + c]),
+                  range_half_step(klo, khi, 255));
+        EXPECT_LE(std::abs(g.values[p][c] - v[p * kv_dim + h * hs + c]),
+                  range_half_step(vlo, vhi, 255));
       }
     }
   }
@@ -137,8 +146,9 @@ TEST(Int8StoreTest, DequantizesAtMostOneBlockAtATime) {
 
 // Dequantization runs 16 channels at a time (AVX-512 builds) and the rest one at a time: head
 // sizes 16, 40 (two chunks and a tail of 8) and 48 (the benchmark shape's) cover both paths.
-// Keys must be exactly code × scale, with the code and scale read back from the store.
-TEST(Int8StoreTest, DequantizedKeysAreCodeTimesScaleAtEveryHeadSize) {
+// Keys must be min + code × step within the f32 rounding of that product and sum, with the
+// code and range read back from the store.
+TEST(Int8StoreTest, DequantizedKeysAreMinPlusCodeTimesStepAtEveryHeadSize) {
   for (const std::size_t hs : {16u, 40u, 48u}) {
     ModelConfig cfg = small_config(2, 2, 64);
     cfg.dim = static_cast<std::int64_t>(2 * hs);
@@ -151,13 +161,19 @@ TEST(Int8StoreTest, DequantizedKeysAreCodeTimesScaleAtEveryHeadSize) {
       ASSERT_EQ(g.indices.size(), n);
       for (std::size_t p = 0; p < n; ++p) {
         const auto codes = s.key_codes(1, h, p);
-        double vmax = 0;
-        for (std::size_t c = 0; c < hs; ++c)
-          vmax = std::max(vmax, std::abs(double{v[p * kv_dim + h * hs + c]}));
+        const double mn = detail::f16_to_float(s.key_min(1, h, p));
+        const double step = detail::f16_to_float(s.key_step(1, h, p));
+        double vlo = 1e30, vhi = -1e30;
         for (std::size_t c = 0; c < hs; ++c) {
-          ASSERT_EQ(g.keys[p][c], static_cast<float>(codes[c]) * s.key_scale(1, h, p))
+          vlo = std::min(vlo, double{v[p * kv_dim + h * hs + c]});
+          vhi = std::max(vhi, double{v[p * kv_dim + h * hs + c]});
+        }
+        for (std::size_t c = 0; c < hs; ++c) {
+          const double want = mn + codes[c] * step;
+          ASSERT_LE(std::abs(g.keys[p][c] - want), 0x1p-23 * (std::abs(mn) + codes[c] * step))
               << "head_size " << hs << " position " << p << " channel " << c;
-          ASSERT_LE(std::abs(g.values[p][c] - v[p * kv_dim + h * hs + c]), vmax / 254 * (1 + 1e-6))
+          ASSERT_LE(std::abs(g.values[p][c] - v[p * kv_dim + h * hs + c]),
+                    range_half_step(vlo, vhi, 255))
               << "head_size " << hs << " position " << p << " channel " << c;
         }
       }
@@ -165,13 +181,7 @@ TEST(Int8StoreTest, DequantizedKeysAreCodeTimesScaleAtEveryHeadSize) {
   }
 }
 
-/// Half the 4-bit step over [lo, hi] with f16 ranges: min is rounded down by at most one f16
-/// unit (2^-10 relative, 2^-24 below the normal range) and the step up by as much, so
-/// s ≤ ((hi - lo + 2^-10 |lo| + 2^-24) / 15) (1 + 2^-10) + 2^-24; plus f32 rounding of the code.
-double q4_half_step(double lo, double hi) {
-  const double s = (hi - lo + 0x1p-10 * std::abs(lo) + 0x1p-24) / 15 * (1 + 0x1p-10) + 0x1p-24;
-  return s / 2 + 1e-6 * (1 + std::abs(lo) + std::abs(hi));
-}
+double q4_half_step(double lo, double hi) { return range_half_step(lo, hi, 15); }
 
 // Keys within half the step of their channel over the group, values within half their row's
 // step, the open group exact; at head size hs (see the int8 test above for the choice of hs).
@@ -352,13 +362,16 @@ void expect_logits_over_own_kv(Store& s, double tolerance, RowBound&& row_bound)
 // f32 arithmetic between the model's K/V and the reference's: 1e-5 of the row's scale.
 constexpr double kF32Slack = 1e-5;
 
-/// int8: every element within max|row| / 254 of the reference's own row.
+/// 8-bit: every element within half the step over its row's range of the reference's own row.
 double int8_row_bound(const std::vector<double>& x, std::size_t t, std::size_t col,
                       std::size_t kv_dim, std::size_t hs, bool) {
   const std::size_t h0 = col / hs * hs;
-  double amax = 0;
-  for (std::size_t i = 0; i < hs; ++i) amax = std::max(amax, std::abs(x[t * kv_dim + h0 + i]));
-  return amax / 254 * (1 + 1e-6) + kF32Slack * amax;
+  double lo = 1e30, hi = -1e30;
+  for (std::size_t i = 0; i < hs; ++i) {
+    lo = std::min(lo, x[t * kv_dim + h0 + i]);
+    hi = std::max(hi, x[t * kv_dim + h0 + i]);
+  }
+  return range_half_step(lo, hi, 255) + kF32Slack * (1 + std::abs(lo) + std::abs(hi));
 }
 
 /// 4-bit, groups of G: a key within its channel's range over the group / 30, a value within its
@@ -420,8 +433,8 @@ TEST(QuantizedMemoryTest, MemoryBytesFollowTheFormula) {
     const ModelConfig cfg = llama_shape(hs);
     const std::size_t L = 4, kv = 2, h = static_cast<std::size_t>(hs);
     for (const std::size_t capacity : {64u, 1000u, 4096u}) {
-      // int8: codes + one f32 scale per (layer, kv head, position), keys and values, each
-      // buffer as allocated, and a 4-byte token id per position.
+      // int8: codes + one f16 (min, step) per (layer, kv head, position), keys and values,
+      // each buffer as allocated, and a 4-byte token id per position.
       using testing_util::allocated;
       const Int8Store<float> i8(cfg, capacity);
       EXPECT_EQ(i8.memory_bytes(), 2 * allocated(L * kv * capacity * h) +
@@ -461,7 +474,7 @@ TEST(QuantizedMemoryTest, MemoryBytesFollowTheFormula) {
 }
 
 // The budgets, bytes per token including scales, relative to the f32 cache
-// (2 × n_layers × kv_dim × 4 bytes per token). int8 pays 4/head_size for its scale, so the 27 %
+// (2 × n_layers × kv_dim × 4 bytes per token). int8 pays 4/head_size for its range, so the 27 %
 // holds from head_size 64 up; 4-bit pays 4/G + 4/head_size of f32 for its f16 (min, step)
 // pairs and 4 bytes per position for the token id, so 15 % holds from head_size 64 at G = 64.
 TEST(QuantizedMemoryTest, BytesPerTokenWithinTheBudgets) {

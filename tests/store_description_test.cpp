@@ -106,15 +106,16 @@ void expect_exact_rollback(const char* what, const ModelConfig& cfg, Make make, 
 // Cache files record a store by its tag, fixed forever (docs/FORMATS.md): AllStores holds every
 // kind with the tag and name the format gave it, and the cache file names each.
 TEST(StoreDescriptionTest, AllStoresKeepTheirFileTags) {
-  const std::map<std::uint32_t, std::string> fixed = {{1, "contiguous"}, {2, "paged"}, {3, "int8"},
-                                                      {4, "window"},     {6, "q4"},    {7, "q2"}};
+  const std::map<std::uint32_t, std::string> fixed = {
+      {1, "contiguous"}, {2, "paged"}, {4, "window"}, {6, "q4"}, {7, "q2"}, {8, "int8"}};
   std::map<std::uint32_t, std::string> listed;
   for (const auto& k : detail::cache_file::kStoreKinds) listed.emplace(k.tag, std::string(k.name));
   EXPECT_EQ(listed, fixed);
   EXPECT_EQ(AllStores::kSize, fixed.size());
   for (const auto& [tag, name] : fixed) EXPECT_EQ(detail::cache_file::kind_name(tag), name);
+  EXPECT_EQ(detail::cache_file::kind_name(3), "unknown");  // int8 with f32 scales
   EXPECT_EQ(detail::cache_file::kind_name(5), "unknown");  // the 4-bit layout before its residual
-  EXPECT_EQ(detail::cache_file::kind_name(8), "unknown");
+  EXPECT_EQ(detail::cache_file::kind_name(9), "unknown");
 }
 
 TEST(StoreDescriptionTest, RollingBackMaxExactRollbackEqualsNeverAppending) {
@@ -257,8 +258,10 @@ void expect_coded_blocks_decode_to_blocks(const char* what, const S& s, std::siz
         for (std::size_t r = 0; r < b.n; ++r)
           for (std::size_t c = 0; c < hs; ++c) {
             if constexpr (std::is_same_v<B, Int8KvBlock>) {
-              put(b.first + r, c, static_cast<float>(b.keys[r * hs + c]) * b.key_scales[r],
-                  static_cast<float>(b.values[r * hs + c]) * b.value_scales[r]);
+              put(b.first + r, c,
+                  static_cast<float>(f16(b.key_min[r]) + b.keys[r * hs + c] * f16(b.key_step[r])),
+                  static_cast<float>(f16(b.value_min[r]) +
+                                     b.values[r * hs + c] * f16(b.value_step[r])));
             } else if constexpr (std::is_same_v<B, LowBitKvBlock>) {
               // The row in rotated coordinates, then D H / √b applied with the matrix written out.
               const std::size_t per_byte = 8 / b.bits;

@@ -155,4 +155,13 @@ class ForcedKernelSet {
   KernelSet before_;
 };
 
+/// Half the step of a quantized stores' f16 range over [lo, hi] with top code `levels` (255,
+/// 15, 3), plus the f32 arithmetic of the codes: min is rounded down by at most one f16 unit
+/// (2^-10 relative, 2^-24 below the normal range) and the step up by as much, so
+/// s ≤ ((hi − lo + 2^-10 |lo| + 2^-24) / levels) (1 + 2^-10) + 2^-24.
+inline double range_half_step(double lo, double hi, double levels) {
+  const double s = (hi - lo + 0x1p-10 * std::abs(lo) + 0x1p-24) / levels * (1 + 0x1p-10) + 0x1p-24;
+  return s / 2 + 1e-6 * (1 + std::abs(lo) + std::abs(hi));
+}
+
 }  // namespace kvdecode::testing_util

@@ -2,10 +2,11 @@
 // rows, in the run-time kernel sets of cpu.hpp. The codes are widened to f32 in registers and
 // multiplied with the f32 query (or probabilities), the scales folded in after the sum, so no
 // row is dequantized into memory and the query keeps its full precision:
-//   int8     s[r] = (q · code[r]) · kscale[r] · scale       o += Σ_r (p[r] · vscale[r]) code[r]
-//   low-bit  s[r] = (qm + qs · code[r]) · scale             o += Σ_r (p[r] · vstep[r]) code[r]
-//            with qs = q ⊙ kstep, qm = q · kmin (the group's per-channel key range) and, for the
-//            values' per-row minimum, o += Σ_r p[r] · vmin[r] on every channel.
+//   int8     s[r] = (kstep[r] · (q · code[r]) + kmin[r] · Σq) · scale
+//   low-bit  s[r] = (qm + qs · code[r]) · scale
+//            with qs = q ⊙ kstep, qm = q · kmin (the group's per-channel key range)
+//   both     o += Σ_r (p[r] · vstep[r]) code[r], and for the values' per-row minimum
+//            o += Σ_r p[r] · vmin[r] on every channel.
 // The portable functions are the reference the tests check the AVX-512 ones against.
 #pragma once
 
@@ -28,23 +29,16 @@ inline unsigned low_bit_code(const std::uint8_t* row, std::size_t c, unsigned bi
 // Portable: plain loops, sums in index order.
 // ---------------------------------------------------------------------------------------------
 
-/// s [rows] = (q [hs] · codes [rows][hs]) · kscale [rows] · scale.
-inline void coded_scores_int8_portable(float* s, const float* q, const std::int8_t* codes,
-                                       const float* kscale, std::size_t rows, std::size_t hs,
-                                       float scale) {
+/// s [rows] = (kstep [r] · (q [hs] · codes [r][hs]) + kmin [r] · Σ q) · scale (ranges f16).
+inline void coded_scores_int8_portable(float* s, const float* q, const std::uint8_t* codes,
+                                       const std::uint16_t* kmin, const std::uint16_t* kstep,
+                                       std::size_t rows, std::size_t hs, float scale) {
+  float qsum = 0.0f;
+  for (std::size_t c = 0; c < hs; ++c) qsum += q[c];
   for (std::size_t r = 0; r < rows; ++r) {
     float acc = 0.0f;
     for (std::size_t c = 0; c < hs; ++c) acc += q[c] * static_cast<float>(codes[r * hs + c]);
-    s[r] = acc * kscale[r] * scale;
-  }
-}
-
-/// o [hs] += Σ_r p [r] · vscale [r] · codes [r][hs].
-inline void coded_pv_int8_portable(float* o, const float* p, const std::int8_t* codes,
-                                   const float* vscale, std::size_t rows, std::size_t hs) {
-  for (std::size_t r = 0; r < rows; ++r) {
-    const float w = p[r] * vscale[r];
-    for (std::size_t c = 0; c < hs; ++c) o[c] += w * static_cast<float>(codes[r * hs + c]);
+    s[r] = (f16_to_float(kstep[r]) * acc + f16_to_float(kmin[r]) * qsum) * scale;
   }
 }
 
@@ -129,26 +123,26 @@ KVDECODE_TARGET_AVX512 inline __m512 reduce16_avx512(__m512* a) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(w01, w23, 0x88), _mm512_shuffle_f32x4(w01, w23, 0xDD));
 }
 
-/// 16 channels' int8 codes (fewer under mask m) widened to f32.
-KVDECODE_TARGET_AVX512 inline __m512 widen_int8_avx512(const std::int8_t* codes, __mmask16 m) {
+/// 16 channels' 8-bit codes (fewer under mask m) widened to f32.
+KVDECODE_TARGET_AVX512 inline __m512 widen_int8_avx512(const std::uint8_t* codes, __mmask16 m) {
   return _mm512_cvtepi32_ps(
-      _mm512_cvtepi8_epi32(m == 0xFFFF ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes))
+      _mm512_cvtepu8_epi32(m == 0xFFFF ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes))
                                        : _mm_maskz_loadu_epi8(m, codes)));
 }
 
-/// A row's int8 codes · q [hs], as 16 partial sums.
+/// A row's 8-bit codes · q [hs], as 16 partial sums.
 struct Int8RowDot {
   const float* q;
-  const std::int8_t* codes;
+  const std::uint8_t* codes;
   std::size_t hs;
   KVDECODE_TARGET_AVX512 __m512 operator()(std::size_t r) const {
-    const std::int8_t* row = codes + r * hs;
+    const std::uint8_t* row = codes + r * hs;
     _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetchBytes, _MM_HINT_T0);
     __m512 a = _mm512_setzero_ps();
     std::size_t c = 0;
     for (; c + 16 <= hs; c += 16)
       a = _mm512_fmadd_ps(_mm512_loadu_ps(q + c),
-                          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                          _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
                               _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c)))),
                           a);
     if (c < hs) {
@@ -159,9 +153,17 @@ struct Int8RowDot {
   }
 };
 
-/// s [rows] = scale · row_scale[r] · (bias + Σ of dot(r)'s lanes); row_scale null means 1.
+/// 16 f16 values (fewer under mask m) to f32.
+KVDECODE_TARGET_AVX512 inline __m512 load_f16_avx512(const std::uint16_t* x, __mmask16 m) {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, x));
+}
+
+/// s [rows] = scale · (bias + Σ of dot(r)'s lanes), or with per-row f16 ranges (row_step and
+/// row_min not null) scale · (row_step[r] · (bias + Σ of dot(r)'s lanes) + row_min[r] · qsum).
 template <class RowDot>
-KVDECODE_TARGET_AVX512 inline void coded_scores_avx512(float* s, float bias, const float* row_scale,
+KVDECODE_TARGET_AVX512 inline void coded_scores_avx512(float* s, float bias,
+                                                       const std::uint16_t* row_min,
+                                                       const std::uint16_t* row_step, float qsum,
                                                        std::size_t rows, float scale, RowDot dot) {
   const __m512 vs = _mm512_set1_ps(scale), vb = _mm512_set1_ps(bias);
   for (std::size_t r0 = 0; r0 < rows; r0 += 16) {
@@ -175,7 +177,9 @@ KVDECODE_TARGET_AVX512 inline void coded_scores_avx512(float* s, float bias, con
     }
     const __mmask16 m = coded_mask16(count);
     __m512 sum = _mm512_add_ps(reduce16_avx512(acc), vb);
-    if (row_scale != nullptr) sum = _mm512_mul_ps(sum, _mm512_maskz_loadu_ps(m, row_scale + r0));
+    if (row_step != nullptr)
+      sum = _mm512_fmadd_ps(sum, load_f16_avx512(row_step + r0, m),
+                            _mm512_mul_ps(_mm512_set1_ps(qsum), load_f16_avx512(row_min + r0, m)));
     _mm512_mask_storeu_ps(s + r0, m, _mm512_mul_ps(sum, vs));
   }
 }
@@ -248,7 +252,7 @@ KVDECODE_TARGET_AVX512 inline void coded_pv_avx512(float* o, const float* w, con
 }
 
 struct WidenInt8Avx512 {
-  KVDECODE_TARGET_AVX512 __m512 operator()(const std::int8_t* p, __mmask16 m) const {
+  KVDECODE_TARGET_AVX512 __m512 operator()(const std::uint8_t* p, __mmask16 m) const {
     return widen_int8_avx512(p, m);
   }
 };
@@ -367,20 +371,12 @@ KVDECODE_TARGET_AVX512 inline void q4_pv_avx512(float* o, const float* w, const 
   }
 }
 
-/// w [rows] = p [rows] · step [rows].
-KVDECODE_TARGET_AVX512 inline void coded_weights_avx512(float* w, const float* p, const float* step,
-                                                        std::size_t rows) {
-  for (std::size_t r = 0; r < rows; r += 16) {
-    const __mmask16 m = coded_mask16(rows - r);
-    _mm512_mask_storeu_ps(
-        w + r, m,
-        _mm512_mul_ps(_mm512_maskz_loadu_ps(m, p + r), _mm512_maskz_loadu_ps(m, step + r)));
-  }
-}
-
-/// 16 f16 values (fewer under mask m) to f32.
-KVDECODE_TARGET_AVX512 inline __m512 load_f16_avx512(const std::uint16_t* x, __mmask16 m) {
-  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, x));
+/// Σ q [hs].
+KVDECODE_TARGET_AVX512 inline float sum_avx512(const float* q, std::size_t hs) {
+  __m512 a = _mm512_setzero_ps();
+  for (std::size_t c = 0; c < hs; c += 16)
+    a = _mm512_add_ps(a, _mm512_maskz_loadu_ps(coded_mask16(hs - c), q + c));
+  return _mm512_reduce_add_ps(a);
 }
 
 /// qs [round_up(hs, 32)] = q ⊙ kstep in 4-bit halves (per 32 channels: the 16 even ones, then
@@ -428,29 +424,35 @@ constexpr bool coded_attention_kernels(KernelSet ks) {
   return KVDECODE_X86_KERNELS && (ks == KernelSet::kAvx512 || ks == KernelSet::kAvx512Bf16);
 }
 
-/// s [rows] = (q [hs] · codes [rows][hs]) · kscale [rows] · scale, with set ks.
-inline void coded_scores_int8(KernelSet ks, float* s, const float* q, const std::int8_t* codes,
-                              const float* kscale, std::size_t rows, std::size_t hs, float scale) {
+/// s [rows] = (kstep [r] · (q [hs] · codes [rows][hs]) + kmin [r] · Σ q) · scale (ranges f16),
+/// with set ks.
+inline void coded_scores_int8(KernelSet ks, float* s, const float* q, const std::uint8_t* codes,
+                              const std::uint16_t* kmin, const std::uint16_t* kstep,
+                              std::size_t rows, std::size_t hs, float scale) {
 #if KVDECODE_X86_KERNELS
   if (coded_attention_kernels(ks))
-    return coded_scores_avx512(s, 0.0f, kscale, rows, scale, Int8RowDot{q, codes, hs});
+    return coded_scores_avx512(s, 0.0f, kmin, kstep, sum_avx512(q, hs), rows, scale,
+                               Int8RowDot{q, codes, hs});
 #endif
   static_cast<void>(ks);
-  coded_scores_int8_portable(s, q, codes, kscale, rows, hs, scale);
+  coded_scores_int8_portable(s, q, codes, kmin, kstep, rows, hs, scale);
 }
 
-/// o [hs] += Σ_r p [r] · vscale [r] · codes [r][hs], with set ks; w [rows] is scratch.
+/// o [hs] += Σ_r p [r] · (vmin [r] + vstep [r] · codes [r][hs]) (ranges f16), with set ks; w
+/// [rows] is scratch.
 inline void coded_pv_int8(KernelSet ks, float* o, const float* p, float* w,
-                          const std::int8_t* codes, const float* vscale, std::size_t rows,
-                          std::size_t hs) {
+                          const std::uint8_t* codes, const std::uint16_t* vmin,
+                          const std::uint16_t* vstep, std::size_t rows, std::size_t hs) {
 #if KVDECODE_X86_KERNELS
   if (coded_attention_kernels(ks)) {
-    coded_weights_avx512(w, p, vscale, rows);
-    return coded_pv_avx512<std::int8_t, 1>(o, w, codes, rows, hs, WidenInt8Avx512{});
+    const float bias = low_bit_weights_avx512(w, p, vmin, vstep, rows);
+    coded_pv_avx512<std::uint8_t, 1>(o, w, codes, rows, hs, WidenInt8Avx512{});
+    for (std::size_t c = 0; c < hs; ++c) o[c] += bias;
+    return;
   }
 #endif
   static_cast<void>(ks), static_cast<void>(w);
-  coded_pv_int8_portable(o, p, codes, vscale, rows, hs);
+  coded_pv_low_bit_portable(o, p, codes, 8, vmin, vstep, rows, hs);
 }
 
 /// The query folded with a group's key ranges (f16) for coded_scores_low_bit with the same set
@@ -472,7 +474,7 @@ inline void coded_scores_low_bit(KernelSet ks, float* s, const float* qs, float 
                                  std::size_t hs, float scale) {
 #if KVDECODE_X86_KERNELS
   if (coded_attention_kernels(ks) && bits == 4)
-    return coded_scores_avx512(s, qm, nullptr, rows, scale, Q4RowDot{qs, codes, hs});
+    return coded_scores_avx512(s, qm, nullptr, nullptr, 0.0f, rows, scale, Q4RowDot{qs, codes, hs});
 #endif
   static_cast<void>(ks);
   coded_scores_low_bit_portable(s, qs, qm, codes, bits, rows, hs, scale);

@@ -1,7 +1,7 @@
-// Dequantization of the int8 and 4-bit KV stores' codes, in every kernel set of cpu.hpp.
+// Dequantization of the 8-bit and 4-bit KV stores' codes, in every kernel set of cpu.hpp.
 // Attention dequantizes the whole cache every step, so at long context these loops run over
 // every cached row per token and must be faster than streaming f32 rows; GCC 12 leaves the
-// plain loops scalar (int8_t may alias the output; nibble pairs defeat its vectorizer).
+// plain loops scalar (byte codes may alias the output; nibble pairs defeat its vectorizer).
 #pragma once
 
 #include <cstddef>
@@ -10,19 +10,27 @@
 #include <type_traits>
 
 #include "kvdecode/detail/cpu.hpp"
+#include "kvdecode/detail/f16.hpp"
 
 namespace kvdecode::detail {
 
 // ---------------------------------------------------------------------------------------------
-// int8: out[r][c] = q[r][c] · scale[r] (one product, so every set computes the same values).
+// 8-bit: out[r][c] = min[r] + code · step[r], one f16 (min, step) per row, the product and the
+// sum rounded apart (no fused multiply-add), so every set computes the same values.
 // ---------------------------------------------------------------------------------------------
 
 template <class T>
-void dequantize_int8_portable(const std::int8_t* q, const float* scale, std::size_t n,
-                              std::size_t head_size, T* out) {
-  for (std::size_t r = 0; r < n; ++r)
-    for (std::size_t c = 0; c < head_size; ++c)
-      out[r * head_size + c] = static_cast<T>(q[r * head_size + c]) * static_cast<T>(scale[r]);
+void dequantize_int8_portable(const std::uint8_t* q, const std::uint16_t* mn,
+                              const std::uint16_t* step, std::size_t n, std::size_t head_size,
+                              T* out) {
+  for (std::size_t r = 0; r < n; ++r) {
+    const auto m = static_cast<T>(f16_to_float(mn[r]));
+    const auto s = static_cast<T>(f16_to_float(step[r]));
+    for (std::size_t c = 0; c < head_size; ++c) {
+      const T scaled = static_cast<T>(q[r * head_size + c]) * s;
+      out[r * head_size + c] = m + scaled;
+    }
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -77,35 +85,43 @@ void dequantize_q2_portable(const std::uint8_t* kq, const S* kmin, const S* kste
 #if KVDECODE_X86_KERNELS
 KVDECODE_INTRINSICS_BEGIN
 
-KVDECODE_TARGET_AVX2 inline void dequantize_int8_avx2(const std::int8_t* q, const float* scale,
-                                                      std::size_t n, std::size_t head_size,
-                                                      float* out) {
+KVDECODE_TARGET_AVX2 inline void dequantize_int8_avx2(const std::uint8_t* q,
+                                                      const std::uint16_t* mn,
+                                                      const std::uint16_t* step, std::size_t n,
+                                                      std::size_t head_size, float* out) {
   for (std::size_t r = 0; r < n; ++r) {
-    const std::int8_t* qr = q + r * head_size;
+    const std::uint8_t* qr = q + r * head_size;
     float* o = out + r * head_size;
-    const __m256 s = _mm256_set1_ps(scale[r]);
+    const __m256 m = _mm256_set1_ps(f16_to_float(mn[r]));
+    const __m256 s = _mm256_set1_ps(f16_to_float(step[r]));
     std::size_t c = 0;
     for (; c + 8 <= head_size; c += 8) {
       const __m128i codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qr + c));
-      _mm256_storeu_ps(o + c, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes)), s));
+      _mm256_storeu_ps(
+          o + c,
+          _mm256_add_ps(m, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes)), s)));
     }
-    for (; c < head_size; ++c) o[c] = static_cast<float>(qr[c]) * scale[r];
+    dequantize_int8_portable(qr + c, mn + r, step + r, 1, head_size - c, o + c);
   }
 }
 
-KVDECODE_TARGET_AVX512 inline void dequantize_int8_avx512(const std::int8_t* q, const float* scale,
-                                                          std::size_t n, std::size_t head_size,
-                                                          float* out) {
+KVDECODE_TARGET_AVX512 inline void dequantize_int8_avx512(const std::uint8_t* q,
+                                                          const std::uint16_t* mn,
+                                                          const std::uint16_t* step, std::size_t n,
+                                                          std::size_t head_size, float* out) {
   for (std::size_t r = 0; r < n; ++r) {
-    const std::int8_t* qr = q + r * head_size;
+    const std::uint8_t* qr = q + r * head_size;
     float* o = out + r * head_size;
-    const __m512 s = _mm512_set1_ps(scale[r]);
+    const __m512 m = _mm512_set1_ps(f16_to_float(mn[r]));
+    const __m512 s = _mm512_set1_ps(f16_to_float(step[r]));
     std::size_t c = 0;
     for (; c + 16 <= head_size; c += 16) {
       const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qr + c));
-      _mm512_storeu_ps(o + c, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes)), s));
+      _mm512_storeu_ps(
+          o + c,
+          _mm512_add_ps(m, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes)), s)));
     }
-    for (; c < head_size; ++c) o[c] = static_cast<float>(qr[c]) * scale[r];
+    dequantize_int8_portable(qr + c, mn + r, step + r, 1, head_size - c, o + c);
   }
 }
 
@@ -185,25 +201,25 @@ KVDECODE_INTRINSICS_END
 // Dispatch: one switch per call (a store passes all the rows of a block or group at once).
 // ---------------------------------------------------------------------------------------------
 
-/// out [n][head_size] = q [n][head_size] · scale [n] (one scale per row).
+/// out [n][head_size] = mn [n] + q [n][head_size] · step [n] (an f16 range per row).
 template <class T>
-void dequantize_int8(KernelSet ks, const std::int8_t* q, const float* scale, std::size_t n,
-                     std::size_t head_size, T* out) {
+void dequantize_int8(KernelSet ks, const std::uint8_t* q, const std::uint16_t* mn,
+                     const std::uint16_t* step, std::size_t n, std::size_t head_size, T* out) {
 #if KVDECODE_X86_KERNELS
   if constexpr (std::is_same_v<T, float>) {
     switch (ks) {
       case KernelSet::kAvx512Bf16:
       case KernelSet::kAvx512:
-        return dequantize_int8_avx512(q, scale, n, head_size, out);
+        return dequantize_int8_avx512(q, mn, step, n, head_size, out);
       case KernelSet::kAvx2:
-        return dequantize_int8_avx2(q, scale, n, head_size, out);
+        return dequantize_int8_avx2(q, mn, step, n, head_size, out);
       case KernelSet::kPortable:
         break;
     }
   }
 #endif
   static_cast<void>(ks);
-  dequantize_int8_portable(q, scale, n, head_size, out);
+  dequantize_int8_portable(q, mn, step, n, head_size, out);
 }
 
 /// keys, values [n][head_size] from n rows of 4-bit codes kq, vq [n][head_size / 2]; the key

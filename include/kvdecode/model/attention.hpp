@@ -208,15 +208,15 @@ void attend_kv_head_coded(const ModelConfig& cfg, const S& store, std::size_t la
     for (std::size_t r0 = 0; r0 < b.n; r0 += kTile) {
       const std::size_t rows = std::min(kTile, b.n - r0);
       if constexpr (std::is_same_v<Block, Int8KvBlock>) {
-        const std::int8_t* keys = b.keys + r0 * hs;      // [rows][hs]
-        const std::int8_t* values = b.values + r0 * hs;  // [rows][hs]
+        const std::uint8_t* keys = b.keys + r0 * hs;      // [rows][hs]
+        const std::uint8_t* values = b.values + r0 * hs;  // [rows][hs]
         attend_rows(
             b.first + r0, rows,
             [&](float* s, const float* qh) {
-              coded_scores_int8(ks, s, qh, keys, b.key_scales + r0, rows, hs, scale);
+              coded_scores_int8(ks, s, qh, keys, b.key_min + r0, b.key_step + r0, rows, hs, scale);
             },
             [&](float* o, const float* p) {
-              coded_pv_int8(ks, o, p, w, values, b.value_scales + r0, rows, hs);
+              coded_pv_int8(ks, o, p, w, values, b.value_min + r0, b.value_step + r0, rows, hs);
             });
       } else if constexpr (std::is_same_v<Block, LowBitKvBlock>) {
         const std::size_t row_bytes = hs * b.bits / 8;

@@ -101,12 +101,15 @@ concept KvStore = requires(S& s, const S& cs, std::size_t i, const typename S::S
   cs.for_each_block(i, i, i, scratch, sink);
 };
 
-/// A block of int8 rows as Int8Store keeps them: x̂ = code · scale, one scale per row.
+/// A block of 8-bit rows as Int8Store keeps them: x̂ = min + code · step, code in [0, 255],
+/// one f16 (min, step) per row of keys and per row of values.
 struct Int8KvBlock {
-  const std::int8_t* keys = nullptr;    // [n][head_size] codes
-  const std::int8_t* values = nullptr;  // [n][head_size] codes
-  const float* key_scales = nullptr;    // [n] step of each key row
-  const float* value_scales = nullptr;  // [n] step of each value row
+  const std::uint8_t* keys = nullptr;         // [n][head_size] codes
+  const std::uint8_t* values = nullptr;       // [n][head_size] codes
+  const std::uint16_t* key_min = nullptr;     // [n] f16
+  const std::uint16_t* key_step = nullptr;    // [n] f16
+  const std::uint16_t* value_min = nullptr;   // [n] f16
+  const std::uint16_t* value_step = nullptr;  // [n] f16
   std::size_t first = 0;
   std::size_t n = 0;
 };
