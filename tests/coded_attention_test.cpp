@@ -81,8 +81,10 @@ TEST(CodedAttentionTest, Int8KernelsMatchTheFormula) {
       for (auto& c : vc) c = static_cast<std::uint8_t>(rng.next());
       const float scale = 0.3f;
       std::vector<float> s(rows, -1.0f);
-      detail::coded_scores_int8(ks, s.data(), q.data(), kc.data(), kmin.data(), kstep.data(), rows,
-                                hs, scale);
+      float qs = 0;  // Σ q, which the caller passes (in f32; the bound below covers its rounding)
+      for (const float x : q) qs += x;
+      detail::coded_scores_int8(ks, s.data(), q.data(), qs, kc.data(), kmin.data(), kstep.data(),
+                                rows, hs, scale);
       for (std::size_t r = 0; r < rows; ++r) {
         // (step · Σ q c + min · Σ q) · scale: each sum of hs terms, then three operations.
         double dot = 0, dot_mag = 0, qsum = 0, qsum_mag = 0;

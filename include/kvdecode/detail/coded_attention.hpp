@@ -29,12 +29,12 @@ inline unsigned low_bit_code(const std::uint8_t* row, std::size_t c, unsigned bi
 // Portable: plain loops, sums in index order.
 // ---------------------------------------------------------------------------------------------
 
-/// s [rows] = (kstep [r] · (q [hs] · codes [r][hs]) + kmin [r] · Σ q) · scale (ranges f16).
-inline void coded_scores_int8_portable(float* s, const float* q, const std::uint8_t* codes,
-                                       const std::uint16_t* kmin, const std::uint16_t* kstep,
-                                       std::size_t rows, std::size_t hs, float scale) {
-  float qsum = 0.0f;
-  for (std::size_t c = 0; c < hs; ++c) qsum += q[c];
+/// s [rows] = (kstep [r] · (q [hs] · codes [r][hs]) + kmin [r] · qsum) · scale (ranges f16),
+/// qsum = Σ q.
+inline void coded_scores_int8_portable(float* s, const float* q, float qsum,
+                                       const std::uint8_t* codes, const std::uint16_t* kmin,
+                                       const std::uint16_t* kstep, std::size_t rows, std::size_t hs,
+                                       float scale) {
   for (std::size_t r = 0; r < rows; ++r) {
     float acc = 0.0f;
     for (std::size_t c = 0; c < hs; ++c) acc += q[c] * static_cast<float>(codes[r * hs + c]);
@@ -184,12 +184,12 @@ KVDECODE_TARGET_AVX512 inline void coded_scores_avx512(float* s, float bias,
   }
 }
 
-/// o [hs] channels [d0, d0 + 16·J) += Σ_r w[r] · widen(row r): 4 rows' sums apart, added at
-/// the end.
+/// o [hs] channels [d0, d0 + 16·J) += bias + Σ_r w[r] · widen(row r): 4 rows' sums apart,
+/// added at the end.
 template <int J, class Code, std::size_t kCodesPerByte, class Widen>
 KVDECODE_TARGET_AVX512 inline void coded_pv_chunk_avx512(float* o, const float* w,
                                                          const Code* codes, std::size_t rows,
-                                                         std::size_t hs, std::size_t d0,
+                                                         std::size_t hs, std::size_t d0, float bias,
                                                          Widen widen) {
   const std::size_t row_len = hs / kCodesPerByte;
   __mmask16 m[J];
@@ -230,23 +230,27 @@ KVDECODE_TARGET_AVX512 inline void coded_pv_chunk_avx512(float* o, const float* 
     float* out = o + d0 + 16 * static_cast<std::size_t>(j);
     const __m512 sum =
         _mm512_add_ps(_mm512_add_ps(acc[0][j], acc[1][j]), _mm512_add_ps(acc[2][j], acc[3][j]));
-    _mm512_mask_storeu_ps(out, m[j], _mm512_add_ps(_mm512_maskz_loadu_ps(m[j], out), sum));
+    _mm512_mask_storeu_ps(
+        out, m[j],
+        _mm512_add_ps(_mm512_maskz_loadu_ps(m[j], out), _mm512_add_ps(sum, _mm512_set1_ps(bias))));
   }
 }
 
+/// o [hs] += bias + Σ_r w[r] · widen(row r).
 template <class Code, std::size_t kCodesPerByte, class Widen>
 KVDECODE_TARGET_AVX512 inline void coded_pv_avx512(float* o, const float* w, const Code* codes,
-                                                   std::size_t rows, std::size_t hs, Widen widen) {
+                                                   std::size_t rows, std::size_t hs, float bias,
+                                                   Widen widen) {
   for (std::size_t d0 = 0; d0 < hs; d0 += 64) {
     const std::size_t left = hs - d0;
     if (left > 48) {
-      coded_pv_chunk_avx512<4, Code, kCodesPerByte>(o, w, codes, rows, hs, d0, widen);
+      coded_pv_chunk_avx512<4, Code, kCodesPerByte>(o, w, codes, rows, hs, d0, bias, widen);
     } else if (left > 32) {
-      coded_pv_chunk_avx512<3, Code, kCodesPerByte>(o, w, codes, rows, hs, d0, widen);
+      coded_pv_chunk_avx512<3, Code, kCodesPerByte>(o, w, codes, rows, hs, d0, bias, widen);
     } else if (left > 16) {
-      coded_pv_chunk_avx512<2, Code, kCodesPerByte>(o, w, codes, rows, hs, d0, widen);
+      coded_pv_chunk_avx512<2, Code, kCodesPerByte>(o, w, codes, rows, hs, d0, bias, widen);
     } else {
-      coded_pv_chunk_avx512<1, Code, kCodesPerByte>(o, w, codes, rows, hs, d0, widen);
+      coded_pv_chunk_avx512<1, Code, kCodesPerByte>(o, w, codes, rows, hs, d0, bias, widen);
     }
   }
 }
@@ -318,11 +322,11 @@ KVDECODE_TARGET_AVX512 inline void q4_pv_row(__m512* even, __m512* odd, float w,
   }
 }
 
-/// o [hs] channels [d0, d0 + 32·J) += Σ_r w[r] · codes of row r, 4 rows' sums apart.
+/// o [hs] channels [d0, d0 + 32·J) += bias + Σ_r w[r] · codes of row r, 4 rows' sums apart.
 template <int J>
 KVDECODE_TARGET_AVX512 inline void q4_pv_chunk_avx512(float* o, const float* w,
                                                       const std::uint8_t* codes, std::size_t rows,
-                                                      std::size_t hs, std::size_t d0) {
+                                                      std::size_t hs, std::size_t d0, float bias) {
   const std::size_t row_len = hs / 2;
   __mmask16 bm[J];
   KVDECODE_UNROLL
@@ -352,31 +356,26 @@ KVDECODE_TARGET_AVX512 inline void q4_pv_chunk_avx512(float* o, const float* w,
     const std::size_t c = d0 + 32 * static_cast<std::size_t>(j);
     const __mmask16 m0 = coded_mask16(hs - c), m1 = coded_mask16(hs - c > 16 ? hs - c - 16 : 0);
     float* out = o + c;
-    _mm512_mask_storeu_ps(
-        out, m0, _mm512_add_ps(_mm512_maskz_loadu_ps(m0, out), _mm512_permutex2var_ps(e, lo, d)));
-    _mm512_mask_storeu_ps(
-        out + 16, m1,
-        _mm512_add_ps(_mm512_maskz_loadu_ps(m1, out + 16), _mm512_permutex2var_ps(e, hi, d)));
+    const __m512 b = _mm512_set1_ps(bias);
+    _mm512_mask_storeu_ps(out, m0,
+                          _mm512_add_ps(_mm512_maskz_loadu_ps(m0, out),
+                                        _mm512_add_ps(_mm512_permutex2var_ps(e, lo, d), b)));
+    _mm512_mask_storeu_ps(out + 16, m1,
+                          _mm512_add_ps(_mm512_maskz_loadu_ps(m1, out + 16),
+                                        _mm512_add_ps(_mm512_permutex2var_ps(e, hi, d), b)));
   }
 }
 
+/// o [hs] += bias + Σ_r w[r] · codes of row r.
 KVDECODE_TARGET_AVX512 inline void q4_pv_avx512(float* o, const float* w, const std::uint8_t* codes,
-                                                std::size_t rows, std::size_t hs) {
+                                                std::size_t rows, std::size_t hs, float bias) {
   for (std::size_t d0 = 0; d0 < hs; d0 += 64) {
     if (hs - d0 > 32) {
-      q4_pv_chunk_avx512<2>(o, w, codes, rows, hs, d0);
+      q4_pv_chunk_avx512<2>(o, w, codes, rows, hs, d0, bias);
     } else {
-      q4_pv_chunk_avx512<1>(o, w, codes, rows, hs, d0);
+      q4_pv_chunk_avx512<1>(o, w, codes, rows, hs, d0, bias);
     }
   }
-}
-
-/// Σ q [hs].
-KVDECODE_TARGET_AVX512 inline float sum_avx512(const float* q, std::size_t hs) {
-  __m512 a = _mm512_setzero_ps();
-  for (std::size_t c = 0; c < hs; c += 16)
-    a = _mm512_add_ps(a, _mm512_maskz_loadu_ps(coded_mask16(hs - c), q + c));
-  return _mm512_reduce_add_ps(a);
 }
 
 /// qs [round_up(hs, 32)] = q ⊙ kstep in 4-bit halves (per 32 channels: the 16 even ones, then
@@ -424,18 +423,18 @@ constexpr bool coded_attention_kernels(KernelSet ks) {
   return KVDECODE_X86_KERNELS && (ks == KernelSet::kAvx512 || ks == KernelSet::kAvx512Bf16);
 }
 
-/// s [rows] = (kstep [r] · (q [hs] · codes [rows][hs]) + kmin [r] · Σ q) · scale (ranges f16),
-/// with set ks.
-inline void coded_scores_int8(KernelSet ks, float* s, const float* q, const std::uint8_t* codes,
-                              const std::uint16_t* kmin, const std::uint16_t* kstep,
-                              std::size_t rows, std::size_t hs, float scale) {
+/// s [rows] = (kstep [r] · (q [hs] · codes [rows][hs]) + kmin [r] · qsum) · scale (ranges
+/// f16), with set ks; qsum = Σ q, computed once per query by the caller.
+inline void coded_scores_int8(KernelSet ks, float* s, const float* q, float qsum,
+                              const std::uint8_t* codes, const std::uint16_t* kmin,
+                              const std::uint16_t* kstep, std::size_t rows, std::size_t hs,
+                              float scale) {
 #if KVDECODE_X86_KERNELS
   if (coded_attention_kernels(ks))
-    return coded_scores_avx512(s, 0.0f, kmin, kstep, sum_avx512(q, hs), rows, scale,
-                               Int8RowDot{q, codes, hs});
+    return coded_scores_avx512(s, 0.0f, kmin, kstep, qsum, rows, scale, Int8RowDot{q, codes, hs});
 #endif
   static_cast<void>(ks);
-  coded_scores_int8_portable(s, q, codes, kmin, kstep, rows, hs, scale);
+  coded_scores_int8_portable(s, q, qsum, codes, kmin, kstep, rows, hs, scale);
 }
 
 /// o [hs] += Σ_r p [r] · (vmin [r] + vstep [r] · codes [r][hs]) (ranges f16), with set ks; w
@@ -446,9 +445,7 @@ inline void coded_pv_int8(KernelSet ks, float* o, const float* p, float* w,
 #if KVDECODE_X86_KERNELS
   if (coded_attention_kernels(ks)) {
     const float bias = low_bit_weights_avx512(w, p, vmin, vstep, rows);
-    coded_pv_avx512<std::uint8_t, 1>(o, w, codes, rows, hs, WidenInt8Avx512{});
-    for (std::size_t c = 0; c < hs; ++c) o[c] += bias;
-    return;
+    return coded_pv_avx512<std::uint8_t, 1>(o, w, codes, rows, hs, bias, WidenInt8Avx512{});
   }
 #endif
   static_cast<void>(ks), static_cast<void>(w);
@@ -488,9 +485,7 @@ inline void coded_pv_low_bit(KernelSet ks, float* o, const float* p, float* w,
 #if KVDECODE_X86_KERNELS
   if (coded_attention_kernels(ks) && bits == 4) {
     const float bias = low_bit_weights_avx512(w, p, vmin, vstep, rows);
-    q4_pv_avx512(o, w, codes, rows, hs);
-    for (std::size_t c = 0; c < hs; ++c) o[c] += bias;
-    return;
+    return q4_pv_avx512(o, w, codes, rows, hs, bias);
   }
 #endif
   static_cast<void>(ks), static_cast<void>(w);

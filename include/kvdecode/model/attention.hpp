@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <numeric>
 #include <span>
 #include <type_traits>
 
@@ -42,6 +43,7 @@ struct AttentionScratch {
         scores(n_threads_ * max_queries * kTile),
         row_max(n_threads_ * kv_mul_ * max_queries),
         row_sum(row_max.size()),
+        query_sum(row_max.size()),
         block(n_threads_ * store_scratch),
         packed_keys(detail::attention_may_use_kernels<T>()
                         ? n_threads_ * static_cast<std::size_t>(cfg.head_size()) * kTile
@@ -65,6 +67,8 @@ struct AttentionScratch {
   /// works on, so threads working on the same head of different sequences never share them.
   T* thread_row_max(std::size_t t) { return row_max.data() + t * kv_mul_ * max_queries_; }
   T* thread_row_sum(std::size_t t) { return row_sum.data() + t * kv_mul_ * max_queries_; }
+  /// Thread t's Σ of each query's channels [kv_mul][max_queries] (the coded path's 8-bit keys).
+  T* thread_query_sum(std::size_t t) { return query_sum.data() + t * kv_mul_ * max_queries_; }
   /// Thread t's transposed key tile [head_size][kTile] (only where attention's own products run).
   T* thread_packed_keys(std::size_t t) {
     return packed_keys.data() + t * (packed_keys.size() / n_threads_);
@@ -86,6 +90,7 @@ struct AttentionScratch {
   AlignedBuffer<T> scores;       // [n_threads][max_queries][kTile] scores, then probabilities
   AlignedBuffer<T> row_max;      // [n_threads][kv_mul][max_queries] running max of each query
   AlignedBuffer<T> row_sum;      // [n_threads][kv_mul][max_queries] running Σ exp(score - max)
+  AlignedBuffer<T> query_sum;    // [n_threads][kv_mul][max_queries] Σ of a query's channels
   AlignedBuffer<T> block;        // [n_threads][store.block_scratch_size()] for stores that decode
   AlignedBuffer<T> packed_keys;  // [n_threads][head_size][kTile] or empty (Eigen's products)
   AlignedBuffer<T> gathered;     // [n_threads][2][kTile][head_size] a tile of several blocks' K, V
@@ -163,18 +168,23 @@ void attend_kv_head_coded(const ModelConfig& cfg, const S& store, std::size_t la
   const auto hsi = static_cast<Eigen::Index>(hs);
   const std::size_t q_last = q_first + n - 1;
 
-  float* const s_all = scratch.thread_scores(t);   // [n][kTile] one tile's scores per query
-  float* const m_all = scratch.thread_row_max(t);  // [kv_mul][n]
-  float* const l_all = scratch.thread_row_sum(t);  // [kv_mul][n]
-  float* const qs = scratch.thread_coded(t);       // [round_up(hs, 32)] query ⊙ a group's steps
-  float* const qrot = qs + (hs + 31) / 32 * 32;    // [hs] the rotated query
-  float* const acc = qrot + hs;                    // [hs] a rotated block's value sum
-  float* const w = acc + hs;                       // [kTile] p · the rows' value steps
+  float* const s_all = scratch.thread_scores(t);        // [n][kTile] one tile's scores per query
+  float* const m_all = scratch.thread_row_max(t);       // [kv_mul][n]
+  float* const l_all = scratch.thread_row_sum(t);       // [kv_mul][n]
+  float* const qsum_all = scratch.thread_query_sum(t);  // [kv_mul][n] Σ of each query
+  float* const qs = scratch.thread_coded(t);     // [round_up(hs, 32)] query ⊙ a group's steps
+  float* const qrot = qs + (hs + 31) / 32 * 32;  // [hs] the rotated query
+  float* const acc = qrot + hs;                  // [hs] a rotated block's value sum
+  float* const w = acc + hs;                     // [kTile] p · the rows' value steps
   for (std::size_t j = 0; j < kv_mul; ++j) {
     for (std::size_t r = 0; r < n; ++r)
       std::fill_n(out + r * dim + (g * kv_mul + j) * hs, hs, 0.0f);
     std::fill_n(m_all + j * n, n, neg_inf);
     std::fill_n(l_all + j * n, n, 0.0f);
+    for (std::size_t r = 0; r < n; ++r) {
+      const float* qh = q + r * dim + (g * kv_mul + j) * hs;
+      qsum_all[j * n + r] = std::accumulate(qh, qh + hs, 0.0f);
+    }
   }
 
   // Rows [first, first + rows) of the block: per query head and query, its scores, its mask,
@@ -188,7 +198,7 @@ void attend_kv_head_coded(const ModelConfig& cfg, const S& store, std::size_t la
         if (first > qi) continue;  // every row in this query's future
         float* const srow = s_all + r * kTile;
         float* const o = out + r * dim + h * hs;
-        scores_of(srow, q + r * dim + h * hs);
+        scores_of(srow, q + r * dim + h * hs, qsum_all[j * n + r]);
         bool full = first + rows - 1 <= qi;
         if constexpr (MaskingKvStore<S>) full = false;
         if (!full)
@@ -212,8 +222,9 @@ void attend_kv_head_coded(const ModelConfig& cfg, const S& store, std::size_t la
         const std::uint8_t* values = b.values + r0 * hs;  // [rows][hs]
         attend_rows(
             b.first + r0, rows,
-            [&](float* s, const float* qh) {
-              coded_scores_int8(ks, s, qh, keys, b.key_min + r0, b.key_step + r0, rows, hs, scale);
+            [&](float* s, const float* qh, float qsum) {
+              coded_scores_int8(ks, s, qh, qsum, keys, b.key_min + r0, b.key_step + r0, rows, hs,
+                                scale);
             },
             [&](float* o, const float* p) {
               coded_pv_int8(ks, o, p, w, values, b.value_min + r0, b.value_step + r0, rows, hs);
@@ -224,7 +235,7 @@ void attend_kv_head_coded(const ModelConfig& cfg, const S& store, std::size_t la
         const std::uint8_t* values = b.values + r0 * row_bytes;  // [rows][row_bytes]
         attend_rows(
             b.first + r0, rows,
-            [&](float* s, const float* qh) {
+            [&](float* s, const float* qh, float) {
               if (b.signs != nullptr) {
                 std::copy_n(qh, hs, qrot);
                 rotate_rows(qrot, 1, hs, b.signs, /*inverse=*/false);
@@ -252,7 +263,7 @@ void attend_kv_head_coded(const ModelConfig& cfg, const S& store, std::size_t la
         using RowVec = Eigen::Matrix<float, 1, Eigen::Dynamic>;
         attend_rows(
             b.first + r0, rows,
-            [&](float* s, const float* qh) {
+            [&](float* s, const float* qh, float) {
               Eigen::Map<RowVec> sr(s, ri);
               sr.noalias() = Eigen::Map<const RowVec>(qh, hsi) * keys.transpose();
               sr *= scale;

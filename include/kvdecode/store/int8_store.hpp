@@ -1,6 +1,6 @@
 // Int8Store<T>: a KV cache of 8-bit rows with one f16 (min, step) per (position, kv head) of
 // keys and of values, ~27 % of the f32 cache for head_size 64. A decode step's attention reads its
-// codes and scales as stored (for_each_coded_block); a prefill chunk reads rows for_each_block
+// codes and ranges as stored (for_each_coded_block); a prefill chunk reads rows for_each_block
 // dequantizes, kBlockRows at a time, into caller scratch.
 #pragma once
 
