@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <limits>
 #include <memory>
 #include <vector>
 
@@ -124,6 +125,48 @@ TEST(Int8StoreTest, EveryElementWithinHalfItsRowStep) {
       }
     }
   }
+}
+
+// A non-finite row, or one beyond the f16 range of its (min, step), reads back non-finite in
+// every channel, so attention carries the NaN on instead of reading a plausible row; the rows
+// around it are quantized as usual.
+TEST(Int8StoreTest, NonFiniteRowsReadBackNonFinite) {
+  const ModelConfig cfg = small_config(4, 2, 64);
+  const std::size_t kv_dim = 32, hs = 16, n = 4;
+  auto k = random_rows(n, kv_dim, 5), v = random_rows(n, kv_dim, 6);
+  k[1 * kv_dim + 3] = std::numeric_limits<float>::quiet_NaN();  // position 1, head 0
+  k[2 * kv_dim + 5] = 1e6f;                                     // position 2, head 0
+  v[3 * kv_dim + 7] = -std::numeric_limits<float>::infinity();  // position 3, head 0
+  Int8Store<float> s(cfg, n);
+  append(s, k, v, 0, n, kv_dim);
+  const auto g = gather(s, 0, 0, n);
+  for (std::size_t c = 0; c < hs; ++c) {
+    EXPECT_TRUE(std::isfinite(g.keys[0][c]) && std::isfinite(g.values[0][c])) << c;
+    EXPECT_FALSE(std::isfinite(g.keys[1][c])) << c;
+    EXPECT_FALSE(std::isfinite(g.keys[2][c])) << c;
+    EXPECT_FALSE(std::isfinite(g.values[3][c])) << c;
+  }
+  const auto other = gather(s, 0, 1, n);  // the other kv head of the same positions
+  for (std::size_t p = 0; p < n; ++p)
+    for (std::size_t c = 0; c < hs; ++c) EXPECT_TRUE(std::isfinite(other.keys[p][c])) << p;
+}
+
+// The same ranges in the 4-bit store (detail::f16_range): a key channel beyond ±65504 in one
+// group reads back non-finite in every row of that group, a value row in every channel.
+TEST(Q4StoreTest, RangesBeyondF16ReadBackNonFinite) {
+  const ModelConfig cfg = small_config(4, 2, 64);
+  const std::size_t kv_dim = 32, hs = 16, n = 8;
+  auto k = random_rows(n, kv_dim, 7), v = random_rows(n, kv_dim, 8);
+  k[2 * kv_dim + 5] = 7e4f;  // position 2, head 0, channel 5
+  v[3 * kv_dim + 7] = 7e4f;  // position 3, head 0
+  Q4Store<float> s(cfg, n, /*group=*/8, /*residual=*/0, /*rotate=*/false);
+  append(s, k, v, 0, n, kv_dim);
+  const auto g = gather(s, 0, 0, n);
+  for (std::size_t p = 0; p < n; ++p)
+    for (std::size_t c = 0; c < hs; ++c) {
+      EXPECT_EQ(std::isfinite(g.keys[p][c]), c != 5) << p << " " << c;
+      EXPECT_EQ(std::isfinite(g.values[p][c]), p != 3) << p << " " << c;
+    }
 }
 
 TEST(Int8StoreTest, DequantizesAtMostOneBlockAtATime) {

@@ -3,9 +3,11 @@
 // the 2- and 4-bit steps it describes.
 #pragma once
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 
 namespace kvdecode::detail {
 
@@ -58,6 +60,32 @@ inline std::uint16_t f16_at_least(float x) {
   std::uint16_t h = f16_from_float(x);
   if (f16_to_float(h) < x) h = static_cast<std::uint16_t>(h + 1);
   return h;
+}
+
+/// The f16 (min, step) covering [lo, hi] with codes 0 .. levels: min rounded down and step up,
+/// so that every x in the range has a code within [0, levels] and errs by at most step / 2. A
+/// range that f16 cannot hold (a bound beyond ±65504, or NaN) gets a non-finite min, so every
+/// value decoded from it is non-finite and attention carries it on like a NaN row, never a
+/// finite row outside that bound.
+inline void f16_range(float lo, float hi, float levels, std::uint16_t& mn, std::uint16_t& step) {
+  if (!(std::abs(lo) <= 65504.0f && std::abs(hi) <= 65504.0f)) {
+    const float inf = std::numeric_limits<float>::infinity();
+    mn = f16_from_float(std::isnan(lo) || std::isnan(hi) ? std::numeric_limits<float>::quiet_NaN()
+                        : std::abs(lo) > 65504.0f        ? std::copysign(inf, lo)
+                                                         : std::copysign(inf, hi));
+    step = f16_from_float((hi - lo) / levels);
+    return;
+  }
+  mn = f16_at_most(lo);
+  step = f16_at_least((hi - f16_to_float(mn)) / levels);
+}
+
+/// The code of x in a range of minimum mn and inv = 1 / step (0 for a zero step): round((x −
+/// mn) · inv) clamped to [0, levels]; a non-finite value gives code 0 instead of an undefined
+/// conversion.
+inline std::uint8_t range_code(float x, float mn, float inv, float levels) {
+  const float r = std::nearbyint((x - mn) * inv);
+  return static_cast<std::uint8_t>(r >= 0.0f ? std::min(r, levels) : 0.0f);
 }
 
 }  // namespace kvdecode::detail

@@ -285,21 +285,11 @@ class Int8Store {
       nan = nan || std::isnan(v);
     }
     if (nan) lo = hi = std::numeric_limits<float>::quiet_NaN();
-    if (std::abs(lo) <= 65504.0f && std::abs(hi) <= 65504.0f) {
-      mn = detail::f16_at_most(lo);
-      step = detail::f16_at_least((hi - detail::f16_to_float(mn)) / kLevels);
-    } else {
-      mn = detail::f16_from_float(lo);
-      step = detail::f16_from_float((hi - lo) / kLevels);
-    }
+    detail::f16_range(lo, hi, kLevels, mn, step);
     const float m = detail::f16_to_float(mn), s = detail::f16_to_float(step);
     const float inv = s > 0.0f ? 1.0f / s : 0.0f;
-    for (std::size_t c = 0; c < head_size_; ++c) {
-      // The clamp catches (x − min)·inv rounding a hair past 255; a NaN is stored as 0
-      // instead of an undefined conversion.
-      const float r = std::nearbyint((static_cast<float>(x[c]) - m) * inv);
-      q[c] = static_cast<std::uint8_t>(r >= 0.0f ? std::min(r, kLevels) : 0.0f);
-    }
+    for (std::size_t c = 0; c < head_size_; ++c)
+      q[c] = detail::range_code(static_cast<float>(x[c]), m, inv, kLevels);
   }
 
   /// out [n][head_size] = min [n] + q [n][head_size] · step [n], the ranges [2][rows_] from

@@ -513,22 +513,12 @@ class LowBitStore {
     return ring_row_of(layer * n_kv_heads_ + kv_head, index);
   }
 
-  /// The f16 (min, step) covering [lo, hi]: min rounded down and step up, so that every x in
-  /// the range has a code within [0, L] and errs by at most step / 2. A non-finite range
-  /// stays non-finite and carries the NaN or infinity on to attention.
+  /// The f16 (min, step) covering [lo, hi] and the code of x in it (detail/f16.hpp).
   static void set_range(float lo, float hi, std::uint16_t& mn, std::uint16_t& step) {
-    if (!(std::abs(lo) <= 65504.0f && std::abs(hi) <= 65504.0f)) {
-      mn = detail::f16_from_float(lo);
-      step = detail::f16_from_float((hi - lo) / kLevels);
-      return;
-    }
-    mn = detail::f16_at_most(lo);
-    step = detail::f16_at_least((hi - detail::f16_to_float(mn)) / kLevels);
+    detail::f16_range(lo, hi, kLevels, mn, step);
   }
-  /// A non-finite value gives code 0 instead of an undefined conversion.
   static std::uint8_t code(T x, float mn, float inv) {
-    const float r = std::nearbyint((static_cast<float>(x) - mn) * inv);
-    return static_cast<std::uint8_t>(r >= 0.0f ? std::min(r, kLevels) : 0.0f);
+    return detail::range_code(static_cast<float>(x), mn, inv, kLevels);
   }
 
   /// The ring's rows [G][head_size] of group g of (layer, kv head) → its codes and ranges.
