@@ -2,7 +2,7 @@
 // binary is counted (operator new and the malloc family, which Eigen's allocator uses), and
 // Eigen's own allocator is forbidden while decoding (EIGEN_RUNTIME_NO_MALLOC, an assert in
 // builds without NDEBUG).
-#define EIGEN_RUNTIME_NO_MALLOC
+// EIGEN_RUNTIME_NO_MALLOC: defined for every test by tests/CMakeLists.txt.
 #include <gtest/gtest.h>
 
 #include <Eigen/Core>

@@ -3,7 +3,7 @@
 // sequence's logits in a batch of 2..16 the same bit for bit whatever the batch and threads; a
 // batch that throws (a full store, an exhausted pool, a bad token, a repeated store) leaves every
 // store as it was; exact work counters; no allocation in a batched decode step.
-#define EIGEN_RUNTIME_NO_MALLOC
+// EIGEN_RUNTIME_NO_MALLOC: defined for every test by tests/CMakeLists.txt.
 #include <gtest/gtest.h>
 
 #include <cstdint>

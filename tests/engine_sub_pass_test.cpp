@@ -3,7 +3,7 @@
 // from timed passes; an engine that splits its steps publishes the first token of a short prompt
 // before a long one's pass runs, and every request's tokens still equal a run of it alone; steps
 // that admit nothing (decoding, a prompt's last chunk) allocate nothing.
-#define EIGEN_RUNTIME_NO_MALLOC
+// EIGEN_RUNTIME_NO_MALLOC: defined for every test by tests/CMakeLists.txt.
 #include <gtest/gtest.h>
 
 #include <cstdint>

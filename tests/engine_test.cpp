@@ -5,7 +5,7 @@
 // threads; exact prefilled-vs-reused counts for a shared prefix and a second turn; chunked
 // prefill does not stall decoding; bad requests throw and change nothing; a decode step
 // allocates nothing.
-#define EIGEN_RUNTIME_NO_MALLOC
+// EIGEN_RUNTIME_NO_MALLOC: defined for every test by tests/CMakeLists.txt.
 #include "kvdecode/serving/engine.hpp"
 
 #include <gtest/gtest.h>

@@ -25,6 +25,7 @@
 #include "kvdecode/io/checkpoint.hpp"
 #include "kvdecode/kvdecode.hpp"
 #include "kvdecode/text/tokenizer.hpp"
+#include "test_instances.hpp"
 
 namespace kvdecode {
 namespace {

@@ -3,7 +3,7 @@
 // sum a fragmented tile per block), keep_runs placing sequences appended in turn,
 // fork / copy-on-write, truncate, exhaustion, the prefix cache (hits, collisions, LRU eviction),
 // multi-turn continuation, and a decode step that allocates nothing.
-#define EIGEN_RUNTIME_NO_MALLOC
+// EIGEN_RUNTIME_NO_MALLOC: defined for every test by tests/CMakeLists.txt.
 #include "kvdecode/store/paged_store.hpp"
 
 #include <gtest/gtest.h>

@@ -169,6 +169,24 @@ TEST(Q4StoreTest, RangesBeyondF16ReadBackNonFinite) {
     }
 }
 
+// A NaN anywhere in a key channel's group or a value row, not only in its first element (where
+// std::min and std::max happen to keep it), makes that channel or row read back as NaN.
+TEST(Q4StoreTest, NanElementsReadBackNaN) {
+  const ModelConfig cfg = small_config(4, 2, 64);
+  const std::size_t kv_dim = 32, hs = 16, n = 8;
+  auto k = random_rows(n, kv_dim, 9), v = random_rows(n, kv_dim, 10);
+  k[2 * kv_dim + 5] = std::numeric_limits<float>::quiet_NaN();  // position 2, head 0, channel 5
+  v[3 * kv_dim + 7] = std::numeric_limits<float>::quiet_NaN();  // position 3, head 0, channel 7
+  Q4Store<float> s(cfg, n, /*group=*/8, /*residual=*/0, /*rotate=*/false);
+  append(s, k, v, 0, n, kv_dim);
+  const auto g = gather(s, 0, 0, n);
+  for (std::size_t p = 0; p < n; ++p)
+    for (std::size_t c = 0; c < hs; ++c) {
+      EXPECT_EQ(std::isnan(g.keys[p][c]), c == 5) << p << " " << c;
+      EXPECT_EQ(std::isnan(g.values[p][c]), p == 3) << p << " " << c;
+    }
+}
+
 TEST(Int8StoreTest, DequantizesAtMostOneBlockAtATime) {
   const ModelConfig cfg = small_config(4, 2, 1000);
   Int8Store<float> s(cfg, 1000);

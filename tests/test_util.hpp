@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "kvdecode/kvdecode.hpp"
+#include "test_instances.hpp"
 
 namespace kvdecode::testing_util {
 

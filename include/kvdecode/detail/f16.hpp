@@ -62,6 +62,22 @@ inline std::uint16_t f16_at_least(float x) {
   return h;
 }
 
+/// [lo, hi] of the n values x[i · stride] as f32; both NaN if any is, since std::min and
+/// std::max pass over a NaN and it would then be coded as a finite value of the range.
+template <typename T>
+void value_range(const T* x, std::size_t n, std::size_t stride, float& lo, float& hi) {
+  lo = static_cast<float>(x[0]);
+  hi = lo;
+  bool nan = std::isnan(lo);
+  for (std::size_t i = 1; i < n; ++i) {
+    const auto v = static_cast<float>(x[i * stride]);
+    lo = std::min(lo, v);
+    hi = std::max(hi, v);
+    nan = nan || std::isnan(v);
+  }
+  if (nan) lo = hi = std::numeric_limits<float>::quiet_NaN();
+}
+
 /// The f16 (min, step) covering [lo, hi] with codes 0 .. levels: min rounded down and step up,
 /// so that every x in the range has a code within [0, levels] and errs by at most step / 2. A
 /// range that f16 cannot hold (a bound beyond ±65504, or NaN) gets a non-finite min, so every

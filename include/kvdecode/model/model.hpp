@@ -474,7 +474,7 @@ class Model {
 
   /// Block formats: every matrix the projections read, rows interleaved in groups in place
   /// (detail/row_groups.hpp); the memory held stays the same.
-  void repack_matrices() {
+  void repack_matrices() requires kIsBlockFormat<W> {
     const auto dim = static_cast<std::size_t>(w_.config.dim);
     const auto hidden = static_cast<std::size_t>(w_.config.hidden_dim);
     std::vector<W> scratch;  // [8][in / 32] one group's rows as stored

@@ -276,15 +276,8 @@ class Int8Store {
   /// and step up, so every code lies in [0, 255] and errs by at most step / 2. A non-finite
   /// row (or one beyond ±65504) gets a non-finite range that carries on to attention.
   void quantize(const T* x, std::uint8_t* q, std::uint16_t& mn, std::uint16_t& step) const {
-    float lo = static_cast<float>(x[0]), hi = lo;
-    bool nan = std::isnan(lo);
-    for (std::size_t c = 1; c < head_size_; ++c) {
-      const auto v = static_cast<float>(x[c]);
-      lo = std::min(lo, v);
-      hi = std::max(hi, v);
-      nan = nan || std::isnan(v);
-    }
-    if (nan) lo = hi = std::numeric_limits<float>::quiet_NaN();
+    float lo = 0.0f, hi = 0.0f;
+    detail::value_range(x, head_size_, 1, lo, hi);
     detail::f16_range(lo, hi, kLevels, mn, step);
     const float m = detail::f16_to_float(mn), s = detail::f16_to_float(step);
     const float inv = s > 0.0f ? 1.0f / s : 0.0f;

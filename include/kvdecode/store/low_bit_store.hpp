@@ -544,11 +544,8 @@ class LowBitStore {
     std::fill_n(kq, group_ * hs / cpb, std::uint8_t{0});
     std::fill_n(vq, group_ * hs / cpb, std::uint8_t{0});
     for (std::size_t c = 0; c < hs; ++c) {
-      float lo = static_cast<float>(kx[c]), hi = lo;
-      for (std::size_t r = 1; r < group_; ++r) {
-        lo = std::min(lo, static_cast<float>(kx[r * hs + c]));
-        hi = std::max(hi, static_cast<float>(kx[r * hs + c]));
-      }
+      float lo = 0.0f, hi = 0.0f;
+      detail::value_range(kx + c, group_, hs, lo, hi);
       set_range(lo, hi, kmin[c], kstep[c]);
       const float mn = detail::f16_to_float(kmin[c]), st = detail::f16_to_float(kstep[c]);
       const float inv = st > 0 ? 1.0f / st : 0.0f;
@@ -559,11 +556,8 @@ class LowBitStore {
     }
     for (std::size_t r = 0; r < group_; ++r) {
       const T* x = vx + r * hs;
-      float lo = static_cast<float>(x[0]), hi = lo;
-      for (std::size_t c = 1; c < hs; ++c) {
-        lo = std::min(lo, static_cast<float>(x[c]));
-        hi = std::max(hi, static_cast<float>(x[c]));
-      }
+      float lo = 0.0f, hi = 0.0f;
+      detail::value_range(x, hs, 1, lo, hi);
       std::uint16_t& vmin = value_min_[gi * group_ + r];
       std::uint16_t& vstep = value_step_[gi * group_ + r];
       set_range(lo, hi, vmin, vstep);
