@@ -96,6 +96,37 @@ void BM_AttentionRecompute(benchmark::State& state, std::int64_t n_kv_heads) {
   state.SetComplexityN(static_cast<benchmark::IterationCount>(T));
 }
 
+// The 4-bit scores of one query against T cached keys in groups of 64 (hs 48, the codes in
+// L2), in each coded kernel set this CPU runs: the avx512 set widens the codes to f32, the
+// avx512bf16 set rounds the folded query to int8 and takes VNNI dot products.
+void BM_Q4Scores(benchmark::State& state, KernelSet ks) {
+  if (!cpu_supports(ks)) {
+    state.SkipWithError("this CPU cannot run the set");
+    return;
+  }
+  constexpr std::size_t kHs = 48, kGroup = 64;
+  const auto T = static_cast<std::size_t>(state.range(0));
+  detail::SplitMix64 rng(5);
+  std::vector<float> q(kHs), qs((kHs + 31) / 32 * 32), s(kGroup);
+  std::vector<std::uint16_t> kmin(T / kGroup * kHs), kstep(T / kGroup * kHs);
+  std::vector<std::uint8_t> codes(T * kHs / 2);  // [T][hs / 2]
+  for (float& x : q) x = static_cast<float>(rng.next() % 2001) / 1000.0f - 1.0f;
+  for (std::uint16_t& x : kmin) x = detail::f16_from_float(-1.0f);
+  for (std::uint16_t& x : kstep) x = detail::f16_from_float(2.0f / 15.0f);
+  for (std::uint8_t& x : codes) x = static_cast<std::uint8_t>(rng.next());
+  for (auto _ : state) {
+    for (std::size_t g = 0; g < T / kGroup; ++g) {
+      const float qm = detail::low_bit_query(ks, qs.data(), q.data(), kmin.data() + g * kHs,
+                                             kstep.data() + g * kHs, 4, kHs);
+      detail::coded_scores_low_bit(ks, s.data(), qs.data(), qm, codes.data() + g * kGroup * kHs / 2,
+                                   4, kGroup, kHs, 0.1f);
+      benchmark::DoNotOptimize(s.data());
+    }
+  }
+  state.SetItemsProcessed(state.iterations() * static_cast<std::int64_t>(T));
+  state.SetLabel(kernel_set_name(ks));
+}
+
 // One family per kv-head count, so each gets its own complexity fit. 6 query heads: 6 kv heads
 // is MHA (kv_mul 1), 3 and 2 are GQA (kv_mul 2, 3), 1 is MQA (kv_mul 6).
 const bool registered = [] {
@@ -107,6 +138,11 @@ const bool registered = [] {
         ->Complexity(benchmark::oAuto)
         ->Repetitions(kvdecode::bench::reps(3));
   }
+  for (const KernelSet ks : {KernelSet::kAvx512, KernelSet::kAvx512Bf16})
+    benchmark::RegisterBenchmark(("BM_Q4Scores/" + std::string(kernel_set_name(ks))).c_str(),
+                                 BM_Q4Scores, ks)
+        ->Arg(4096)
+        ->Repetitions(kvdecode::bench::reps(3));
   benchmark::RegisterBenchmark("BM_AttentionRecompute/kv_heads:6", BM_AttentionRecompute, 6)
       ->RangeMultiplier(2)
       ->Range(16, kvdecode::bench::top(2048, 64))

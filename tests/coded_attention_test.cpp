@@ -152,12 +152,26 @@ TEST(CodedAttentionTest, LowBitKernelsMatchTheFormula) {
             detail::low_bit_query(ks, qs.data(), q.data(), kmin.data(), kstep.data(), bits, hs);
         std::vector<float> s(rows, -1.0f);
         detail::coded_scores_low_bit(ks, s.data(), qs.data(), qm, kc.data(), bits, rows, hs, scale);
+        // The avx512bf16 set's 4-bit scores take the folded query a = q ⊙ kstep rounded to
+        // int8: i = round(a · (127 / max|a|)), d = max|a| / 127, each step in f32 as written.
+        const bool int8_query = ks == KernelSet::kAvx512Bf16 && bits == 4;
+        std::vector<float> a(hs), qi(hs);
+        float top = 0.0f;
+        for (std::size_t c = 0; c < hs; ++c) {
+          a[c] = q[c] * static_cast<float>(f16(kstep[c]));
+          top = std::max(top, std::abs(a[c]));
+        }
+        const float inv = top > 0.0f ? 127.0f / top : 0.0f, d = top / 127.0f;
+        for (std::size_t c = 0; c < hs; ++c) qi[c] = std::nearbyint(a[c] * inv);
         for (std::size_t r = 0; r < rows; ++r) {
           double want = 0, mag = 0;
           for (std::size_t c = 0; c < hs; ++c) {
-            const double k = f16(kmin[c]) + code(kc, r, c) * f16(kstep[c]);
-            want += double{q[c]} * k;
-            mag += std::abs(q[c] * f16(kmin[c])) + std::abs(q[c] * code(kc, r, c) * f16(kstep[c]));
+            const double k = code(kc, r, c);
+            want += int8_query ? q[c] * f16(kmin[c]) + double{d} * qi[c] * k
+                               : double{q[c]} * (f16(kmin[c]) + k * f16(kstep[c]));
+            mag +=
+                std::abs(q[c] * f16(kmin[c])) +
+                (int8_query ? std::abs(double{d} * qi[c] * k) : std::abs(q[c] * k * f16(kstep[c])));
           }
           ASSERT_NEAR(s[r], want * scale, static_cast<double>(2 * hs + 6) * kUnit * mag * scale)
               << bits << " bits, " << kernel_set_name(ks) << " hs " << hs << " row " << r;
@@ -185,12 +199,18 @@ TEST(CodedAttentionTest, LowBitKernelsMatchTheFormula) {
 // ---------------------------------------------------------------------------------------------
 
 /// Every row of [0, end) of (layer, kv head) decoded in double: [end][hs] keys and values.
+/// steps [end]: for a 4-bit key row, Σ_c code[c] · max_c kstep[c] of its group (what rounding
+/// the query to int8 can cost its score, per unit of max |query|), else 0; rotated [end]:
+/// whether the row is rotated.
 template <class S>
 void decode_rows(const S& s, std::size_t l, std::size_t g, std::size_t end,
-                 std::vector<double>& keys, std::vector<double>& values) {
+                 std::vector<double>& keys, std::vector<double>& values, std::vector<double>& steps,
+                 std::vector<bool>& rotated) {
   const std::size_t hs = s.head_size();
   keys.assign(end * hs, 0.0);
   values.assign(end * hs, 0.0);
+  steps.assign(end, 0.0);
+  rotated.assign(end, false);
   s.for_each_coded_block(l, g, end, [&](const auto& b) {
     using B = std::remove_cvref_t<decltype(b)>;
     for (std::size_t r = 0; r < b.n; ++r) {
@@ -209,10 +229,15 @@ void decode_rows(const S& s, std::size_t l, std::size_t g, std::size_t end,
                                      ((1u << b.bits) - 1));
         };
         std::vector<double> kr(hs), vr(hs);  // in rotated coordinates when rotated
+        double codes = 0, top_step = 0;
         for (std::size_t c = 0; c < hs; ++c) {
           kr[c] = f16(b.key_min[c]) + code(b.keys, c) * f16(b.key_step[c]);
           vr[c] = f16(b.value_min[r]) + code(b.values, c) * f16(b.value_step[r]);
+          codes += code(b.keys, c);
+          top_step = std::max(top_step, f16(b.key_step[c]));
         }
+        if (b.bits == 4) steps[b.first + r] = codes * top_step;
+        rotated[b.first + r] = b.signs != nullptr;
         for (std::size_t c = 0; c < hs; ++c) {
           if (b.signs == nullptr) {
             k[c] = kr[c];
@@ -269,9 +294,12 @@ void fill(const ModelConfig& cfg, S& s, std::size_t end, std::size_t chunk, std:
 /// attend_kv_head_coded with set ks, for n queries ending at cache index end - 1, against the
 /// double attention over decoded rows. The bound: a score errs by at most ε = (2·hs + 2·log2 hs
 /// + 12)·u·Σ|q k|/√hs (the sums of the kernel tests, the folded ranges and a rotation of the
-/// query); the probabilities then err relatively by at most e^{2ε} - 1 plus (end + 8)·u for exp
-/// and the running sums, and the output, a convex mix of value rows with its own sum of end
-/// products, by that times max|v| plus (end + 2·log2 hs + 8)·u·max|v|.
+/// query), plus, for a 4-bit row in the avx512bf16 set, what rounding the folded query to int8
+/// costs: each channel's a = q·kstep moves by at most d/2, d = max|a|/127 ≤ max|q|·max kstep
+/// / 127 (max|q| of the rotated query, at most |q|₂, for a rotated row), so the score by d/2 ·
+/// Σ code / √hs; the probabilities then err relatively by at most e^{2ε} - 1 plus (end + 8)·u
+/// for exp and the running sums, and the output, a convex mix of value rows with its own sum of
+/// end products, by that times max|v| plus (end + 2·log2 hs + 8)·u·max|v|.
 template <class S>
 void expect_attention_matches(const char* what, const ModelConfig& cfg, const S& s, std::size_t end,
                               std::size_t n, KernelSet ks) {
@@ -286,8 +314,9 @@ void expect_attention_matches(const char* what, const ModelConfig& cfg, const S&
   for (std::size_t l = 0; l < s.n_layers(); ++l) {
     for (std::size_t g = 0; g < s.n_kv_heads(); ++g) {
       detail::attend_kv_head_coded(cfg, s, l, g, end - n, n, q.data(), out.data(), scratch, 0, ks);
-      std::vector<double> keys, values;
-      decode_rows(s, l, g, end, keys, values);
+      std::vector<double> keys, values, steps;
+      std::vector<bool> rotated;
+      decode_rows(s, l, g, end, keys, values, steps, rotated);
       double vmax = 0;
       for (const double x : values) vmax = std::max(vmax, std::abs(x));
       for (std::size_t j = 0; j < kv_mul; ++j) {
@@ -295,6 +324,13 @@ void expect_attention_matches(const char* what, const ModelConfig& cfg, const S&
         for (std::size_t r = 0; r < n; ++r) {
           const std::size_t visible = end - n + r + 1;
           const float* qh = q.data() + r * dim + h * hs;
+          double qtop = 0, qnorm = 0;  // max |q|, |q|₂
+          for (std::size_t c = 0; c < hs; ++c) {
+            qtop = std::max(qtop, std::abs(double{qh[c]}));
+            qnorm += double{qh[c]} * qh[c];
+          }
+          qnorm = std::sqrt(qnorm);
+          const bool int8_query = ks == KernelSet::kAvx512Bf16;
           std::vector<double> score(visible);
           double smax = -1e300, emax = 0;
           for (std::size_t i = 0; i < visible; ++i) {
@@ -303,9 +339,12 @@ void expect_attention_matches(const char* what, const ModelConfig& cfg, const S&
               dot += qh[c] * keys[i * hs + c];
               mag += std::abs(qh[c] * keys[i * hs + c]);
             }
+            // The int8 query's d / 2, with room for the f32 roundings of a, 127 / max|a| and d.
+            const double half_d = int8_query ? (rotated[i] ? qnorm : qtop) / 254 * (1 + 1e-5) : 0;
             score[i] = dot / std::sqrt(static_cast<double>(hs));
             smax = std::max(smax, score[i]);
-            emax = std::max(emax, (2 * static_cast<double>(hs) + 2 * log_hs + 12) * kUnit * mag /
+            emax = std::max(emax, ((2 * static_cast<double>(hs) + 2 * log_hs + 12) * kUnit * mag +
+                                   half_d * steps[i]) /
                                       std::sqrt(static_cast<double>(hs)));
           }
           double sum = 0;

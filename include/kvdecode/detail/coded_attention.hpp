@@ -1,7 +1,8 @@
 // Attention's two products on the quantized stores' codes, for one query against one block of
 // rows, in the run-time kernel sets of cpu.hpp. The codes are widened to f32 in registers and
 // multiplied with the f32 query (or probabilities), the scales folded in after the sum, so no
-// row is dequantized into memory and the query keeps its full precision:
+// row is dequantized into memory; only the 4-bit scores of the avx512bf16 set round the folded
+// query to int8 for integer dot products (q4_scores_vnni below):
 //   int8     s[r] = (kstep[r] · (q · code[r]) + kmin[r] · Σq) · scale
 //   low-bit  s[r] = (qm + qs · code[r]) · scale
 //            with qs = q ⊙ kstep, qm = q · kmin (the group's per-channel key range)
@@ -399,6 +400,103 @@ KVDECODE_TARGET_AVX512 inline float q4_query_avx512(float* qs, const float* q,
   return _mm512_reduce_add_ps(qm);
 }
 
+// 4-bit scores with AVX512_VNNI (the avx512bf16 set): the folded query a = q ⊙ kstep is
+// quantized once per group to int8, i = round(a · 127 / max|a|), d = max|a| / 127, and each
+// score is qm + d · Σ i · code, the sum exact in int32 (vpdpbusd: 4 u8 × s8 products a lane).
+// Layout of qs: qs[0] = d; from byte 64, per 64 channels, the int8 query of the 32 even
+// channels, then of the 32 odd ones (the low and high nibbles of the row's 32 code bytes).
+
+/// Folds and quantizes the query for q4_scores_vnni into qs [round_up(hs, 32)] (the layout
+/// above), returns q · kmin (ranges f16).
+KVDECODE_TARGET_AVX512BF16 inline float q4_query_vnni(float* qs, const float* q,
+                                                      const std::uint16_t* kmin,
+                                                      const std::uint16_t* kstep, std::size_t hs) {
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  const std::size_t padded = (hs + 63) / 64 * 64;  // channels the int8 query covers
+  __m512 qm = _mm512_setzero_ps(), amax = _mm512_setzero_ps();
+  for (std::size_t c = 0; c < hs; c += 16) {
+    const __mmask16 m = coded_mask16(hs - c);
+    const __m512 qc = _mm512_maskz_loadu_ps(m, q + c);
+    qm = _mm512_fmadd_ps(qc, load_f16_avx512(kmin + c, m), qm);
+    amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_mul_ps(qc, load_f16_avx512(kstep + c, m))));
+  }
+  const float top = _mm512_reduce_max_ps(amax);
+  const __m512 inv = _mm512_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
+  auto* const out = reinterpret_cast<std::int8_t*>(qs) + 64;  // [padded]
+  for (std::size_t c = 0; c < padded; c += 32) {  // the products of [c, c + 32), 0 past hs
+    const __mmask16 m0 = coded_mask16(hs > c ? hs - c : 0);
+    const __mmask16 m1 = coded_mask16(hs > c + 16 ? hs - c - 16 : 0);
+    const __m512 p0 =
+        _mm512_mul_ps(_mm512_maskz_loadu_ps(m0, q + c), load_f16_avx512(kstep + c, m0));
+    const __m512 p1 =
+        _mm512_mul_ps(_mm512_maskz_loadu_ps(m1, q + c + 16), load_f16_avx512(kstep + c + 16, m1));
+    const __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(p0, inv));
+    const __m512i i1 = _mm512_cvtps_epi32(_mm512_mul_ps(p1, inv));
+    std::int8_t* const chunk = out + c / 64 * 64 + (c % 64) / 2;
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(chunk),
+                     _mm512_cvtsepi32_epi8(_mm512_permutex2var_epi32(i0, even, i1)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(chunk + 32),
+                     _mm512_cvtsepi32_epi8(_mm512_permutex2var_epi32(i0, odd, i1)));
+  }
+  qs[0] = top / 127.0f;
+  return _mm512_reduce_add_ps(qm);
+}
+
+/// s [rows] = (qm + d · Σ_c i[c] · code[r][c]) · scale, with d and i from q4_query_vnni in qs.
+/// Two rows per register (one in each 256-bit half), 16 rows' int32 sums reduced together.
+KVDECODE_TARGET_AVX512BF16 inline void q4_scores_vnni(float* s, const float* qs, float qm,
+                                                      const std::uint8_t* codes, std::size_t rows,
+                                                      std::size_t hs, float scale) {
+  const std::size_t row_bytes = hs / 2;
+  const auto* const qb = reinterpret_cast<const std::uint8_t*>(qs) + 64;
+  const __m512 vd = _mm512_set1_ps(qs[0]), vqm = _mm512_set1_ps(qm), vs = _mm512_set1_ps(scale);
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  // Row order of the reduced sums below: even rows 0, 2, .. 6 | odd rows 1, .. 7 | 8 .. 15.
+  const __m512i order = _mm512_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
+  for (std::size_t r0 = 0; r0 < rows; r0 += 16) {
+    const std::size_t count = rows - r0 < 16 ? rows - r0 : 16;
+    __m512i acc[8];
+    KVDECODE_UNROLL
+    for (int k = 0; k < 8; ++k) acc[k] = _mm512_setzero_si512();
+    for (std::size_t b0 = 0; b0 < row_bytes; b0 += 32) {
+      const std::size_t n = row_bytes - b0 < 32 ? row_bytes - b0 : 32;
+      const auto m = static_cast<__mmask32>(n == 32 ? ~0u : (1u << n) - 1u);
+      const __m512i qe =
+          _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + 2 * b0)));
+      const __m512i qo = _mm512_broadcast_i64x4(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + 2 * b0 + 32)));
+      for (std::size_t k = 0; k < 8; ++k) {
+        const std::size_t ra = 2 * k, rb = ra + 1;
+        const __m256i a = ra < count
+                              ? _mm256_maskz_loadu_epi8(m, codes + (r0 + ra) * row_bytes + b0)
+                              : _mm256_setzero_si256();
+        const __m256i b = rb < count
+                              ? _mm256_maskz_loadu_epi8(m, codes + (r0 + rb) * row_bytes + b0)
+                              : _mm256_setzero_si256();
+        const __m512i x = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+        acc[k] = _mm512_dpbusd_epi32(acc[k], _mm512_and_si512(x, low), qe);
+        acc[k] = _mm512_dpbusd_epi32(acc[k], _mm512_and_si512(_mm512_srli_epi16(x, 4), low), qo);
+      }
+    }
+    // Sum each 256-bit half: pairs of registers, then fours, then the halves' 128-bit blocks.
+    __m512i t[4], u[2];
+    KVDECODE_UNROLL
+    for (int k = 0; k < 4; ++k)
+      t[k] = _mm512_add_epi32(_mm512_unpacklo_epi32(acc[2 * k], acc[2 * k + 1]),
+                              _mm512_unpackhi_epi32(acc[2 * k], acc[2 * k + 1]));
+    KVDECODE_UNROLL
+    for (int k = 0; k < 2; ++k)
+      u[k] = _mm512_add_epi32(_mm512_unpacklo_epi64(t[2 * k], t[2 * k + 1]),
+                              _mm512_unpackhi_epi64(t[2 * k], t[2 * k + 1]));
+    const __m512i z = _mm512_add_epi32(_mm512_shuffle_i32x4(u[0], u[1], 0x88),   // blocks 0, 2
+                                       _mm512_shuffle_i32x4(u[0], u[1], 0xDD));  // blocks 1, 3
+    const __m512 sums = _mm512_cvtepi32_ps(_mm512_permutexvar_epi32(order, z));
+    _mm512_mask_storeu_ps(s + r0, coded_mask16(count),
+                          _mm512_mul_ps(_mm512_fmadd_ps(sums, vd, vqm), vs));
+  }
+}
+
 /// w [rows] = p · vstep and returns Σ p · vmin (ranges f16).
 KVDECODE_TARGET_AVX512 inline float low_bit_weights_avx512(float* w, const float* p,
                                                            const std::uint16_t* vmin,
@@ -453,11 +551,12 @@ inline void coded_pv_int8(KernelSet ks, float* o, const float* p, float* w,
 }
 
 /// The query folded with a group's key ranges (f16) for coded_scores_low_bit with the same set
-/// and bits: qs [round_up(hs, 32)] = q ⊙ kstep (4-bit in the AVX-512 sets: in the halves their
-/// kernel reads), returns q · kmin.
+/// and bits: qs [round_up(hs, 32)] = q ⊙ kstep (4-bit in the avx512 set: in the halves its
+/// kernel reads; in the avx512bf16 set: rounded to int8, q4_query_vnni), returns q · kmin.
 inline float low_bit_query(KernelSet ks, float* qs, const float* q, const std::uint16_t* kmin,
                            const std::uint16_t* kstep, unsigned bits, std::size_t hs) {
 #if KVDECODE_X86_KERNELS
+  if (ks == KernelSet::kAvx512Bf16 && bits == 4) return q4_query_vnni(qs, q, kmin, kstep, hs);
   if (coded_attention_kernels(ks) && bits == 4) return q4_query_avx512(qs, q, kmin, kstep, hs);
 #endif
   static_cast<void>(ks), static_cast<void>(bits);
@@ -470,6 +569,8 @@ inline void coded_scores_low_bit(KernelSet ks, float* s, const float* qs, float 
                                  const std::uint8_t* codes, unsigned bits, std::size_t rows,
                                  std::size_t hs, float scale) {
 #if KVDECODE_X86_KERNELS
+  if (ks == KernelSet::kAvx512Bf16 && bits == 4)
+    return q4_scores_vnni(s, qs, qm, codes, rows, hs, scale);
   if (coded_attention_kernels(ks) && bits == 4)
     return coded_scores_avx512(s, qm, nullptr, nullptr, 0.0f, rows, scale, Q4RowDot{qs, codes, hs});
 #endif

@@ -156,7 +156,9 @@ inline std::atomic<KernelSet>& kernel_set_slot() {
 }  // namespace detail
 
 /// The set every kernel call runs with: KVDECODE_ISA if set, else best_kernel_set(), unless
-/// force_kernel_set() chose another. Results differ between sets only in f32 summation order.
+/// force_kernel_set() chose another. Results differ between sets in f32 summation order, and
+/// in the avx512bf16 set's 4-bit attention scores, which round the query to int8
+/// (detail/coded_attention.hpp).
 inline KernelSet active_kernel_set() {
   return detail::kernel_set_slot().load(std::memory_order_relaxed);
 }
