@@ -459,6 +459,10 @@ KVDECODE_TARGET_AVX512BF16 inline void q4_scores_vnni(float* s, const float* qs,
     __m512i acc[8];
     KVDECODE_UNROLL
     for (int k = 0; k < 8; ++k) acc[k] = _mm512_setzero_si512();
+    // The codes kPrefetchBytes ahead of these 16 rows, a line at a time.
+    const char* const ahead =
+        reinterpret_cast<const char*>(codes + r0 * row_bytes) + kPrefetchBytes;
+    for (std::size_t b = 0; b < 16 * row_bytes; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
     for (std::size_t b0 = 0; b0 < row_bytes; b0 += 32) {
       const std::size_t n = row_bytes - b0 < 32 ? row_bytes - b0 : 32;
       const auto m = static_cast<__mmask32>(n == 32 ? ~0u : (1u << n) - 1u);
