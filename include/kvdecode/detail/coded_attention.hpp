@@ -11,8 +11,10 @@
 // The portable functions are the reference the tests check the AVX-512 ones against.
 #pragma once
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 
 #include "kvdecode/detail/cpu.hpp"
 #include "kvdecode/detail/f16.hpp"
@@ -401,10 +403,13 @@ KVDECODE_TARGET_AVX512 inline float q4_query_avx512(float* qs, const float* q,
 }
 
 // 4-bit scores with AVX512_VNNI (the avx512bf16 set): the folded query a = q ⊙ kstep is
-// quantized once per group to int8, i = round(a · 127 / max|a|), d = max|a| / 127, and each
-// score is qm + d · Σ i · code, the sum exact in int32 (vpdpbusd: 4 u8 × s8 products a lane).
-// Layout of qs: qs[0] = d; from byte 64, per 64 channels, the int8 query of the 32 even
-// channels, then of the 32 odd ones (the low and high nibbles of the row's 32 code bytes).
+// quantized once per group to int8, i = round(a · (127 / max|a|)) (to nearest, ties to even,
+// whatever the rounding mode), d = max|a| / 127, and each score is qm + d · Σ i · code, the sum
+// exact in int32 (vpdpbusd: 4 u8 × s8 products a lane). A max|a| below 2^-100 (where 127 /
+// max|a| could overflow) counts as 0: i = 0, d = 0. A NaN in a makes d NaN, so the scores are
+// NaN as the f32 kernels' would be. Layout of qs: qs[0] = d; from byte 64, per 64 channels, the
+// int8 query of the 32 even channels, then of the 32 odd ones (the low and high nibbles of the
+// row's 32 code bytes).
 
 /// Folds and quantizes the query for q4_scores_vnni into qs [round_up(hs, 32)] (the layout
 /// above), returns q · kmin (ranges f16).
@@ -415,14 +420,19 @@ KVDECODE_TARGET_AVX512BF16 inline float q4_query_vnni(float* qs, const float* q,
   const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
   const std::size_t padded = (hs + 63) / 64 * 64;  // channels the int8 query covers
   __m512 qm = _mm512_setzero_ps(), amax = _mm512_setzero_ps();
+  __mmask16 nan = 0;  // max_ps passes over a NaN, so NaN lanes are noted apart
   for (std::size_t c = 0; c < hs; c += 16) {
     const __mmask16 m = coded_mask16(hs - c);
     const __m512 qc = _mm512_maskz_loadu_ps(m, q + c);
     qm = _mm512_fmadd_ps(qc, load_f16_avx512(kmin + c, m), qm);
-    amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_mul_ps(qc, load_f16_avx512(kstep + c, m))));
+    const __m512 a = _mm512_mul_ps(qc, load_f16_avx512(kstep + c, m));
+    nan = static_cast<__mmask16>(nan | _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q));
+    amax = _mm512_max_ps(amax, _mm512_abs_ps(a));
   }
-  const float top = _mm512_reduce_max_ps(amax);
-  const __m512 inv = _mm512_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
+  float top = _mm512_reduce_max_ps(amax);
+  if (nan != 0) top = std::numeric_limits<float>::quiet_NaN();
+  const bool zero = !(top >= 0x1p-100f);  // (false for NaN, whose d stays NaN)
+  const __m512 inv = _mm512_set1_ps(zero || std::isinf(top) ? 0.0f : 127.0f / top);
   auto* const out = reinterpret_cast<std::int8_t*>(qs) + 64;  // [padded]
   for (std::size_t c = 0; c < padded; c += 32) {  // the products of [c, c + 32), 0 past hs
     const __mmask16 m0 = coded_mask16(hs > c ? hs - c : 0);
@@ -431,15 +441,16 @@ KVDECODE_TARGET_AVX512BF16 inline float q4_query_vnni(float* qs, const float* q,
         _mm512_mul_ps(_mm512_maskz_loadu_ps(m0, q + c), load_f16_avx512(kstep + c, m0));
     const __m512 p1 =
         _mm512_mul_ps(_mm512_maskz_loadu_ps(m1, q + c + 16), load_f16_avx512(kstep + c + 16, m1));
-    const __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(p0, inv));
-    const __m512i i1 = _mm512_cvtps_epi32(_mm512_mul_ps(p1, inv));
+    constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    const __m512i i0 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(p0, inv), kNearest);
+    const __m512i i1 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(p1, inv), kNearest);
     std::int8_t* const chunk = out + c / 64 * 64 + (c % 64) / 2;
     _mm_storeu_si128(reinterpret_cast<__m128i*>(chunk),
                      _mm512_cvtsepi32_epi8(_mm512_permutex2var_epi32(i0, even, i1)));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(chunk + 32),
                      _mm512_cvtsepi32_epi8(_mm512_permutex2var_epi32(i0, odd, i1)));
   }
-  qs[0] = top / 127.0f;
+  qs[0] = zero && !std::isnan(top) ? 0.0f : top / 127.0f;
   return _mm512_reduce_add_ps(qm);
 }
 
@@ -452,7 +463,7 @@ KVDECODE_TARGET_AVX512BF16 inline void q4_scores_vnni(float* s, const float* qs,
   const auto* const qb = reinterpret_cast<const std::uint8_t*>(qs) + 64;
   const __m512 vd = _mm512_set1_ps(qs[0]), vqm = _mm512_set1_ps(qm), vs = _mm512_set1_ps(scale);
   const __m512i low = _mm512_set1_epi8(0x0F);
-  // Row order of the reduced sums below: even rows 0, 2, .. 6 | odd rows 1, .. 7 | 8 .. 15.
+  // Row order of the reduced sums below: rows 0, 2, 4, 6 | 1, 3, 5, 7 | 8, 10, 12, 14 | 9, .. 15.
   const __m512i order = _mm512_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
   for (std::size_t r0 = 0; r0 < rows; r0 += 16) {
     const std::size_t count = rows - r0 < 16 ? rows - r0 : 16;
