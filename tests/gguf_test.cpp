@@ -866,6 +866,9 @@ TEST(GgufMalformedTest, EachDamageGivesAnErrorNamingIt) {
          put_u32(b, kv_at("llama.block_count").value.offset - 4, 6);  // float32
        },
        "'llama.block_count' (value at byte"},
+      {"block count beyond the tensors",
+       [&](auto& b, auto&) { put_u32(b, kv_at("llama.block_count").value.offset, 100000); },
+       "llama.block_count is 100000 but the file lists"},
       {"head count",
        [&](auto& b, auto&) { put_u32(b, kv_at("llama.attention.head_count").value.offset, 3); },
        "must be divisible by llama.attention.head_count (3)"},

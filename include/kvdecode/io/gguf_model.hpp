@@ -166,6 +166,16 @@ inline std::string describe_dims(const GgufTensorInfo& t) {
   return s + "}";
 }
 
+/// How many tensors each layer of a llama model has (Weights::for_each_tensor's per-layer ones).
+inline std::int64_t tensors_per_layer() {
+  Weights<float> one;  // no buffers: only the tensor list
+  one.layers.resize(1);
+  std::int64_t n = 0;
+  one.for_each_tensor(
+      [&](const char*, std::int64_t layer, AlignedBuffer<float>&) { n += layer >= 0 ? 1 : 0; });
+  return n;
+}
+
 /// Calls fn(llama2.c name, layer, GGUF name) for every tensor a model of `cfg` has.
 template <class Fn>
 void for_each_gguf_tensor(const ModelConfig& cfg, Fn&& fn) {
@@ -184,7 +194,8 @@ void for_each_gguf_tensor(const ModelConfig& cfg, Fn&& fn) {
 /// embedding_length, block_count, feed_forward_length, attention.head_count) is missing, of the
 /// wrong type or out of range; llama.rope.dimension_count or attention.key_length/value_length
 /// differ from head_size; rope scaling other than "none", or experts (MoE), are asked for; or
-/// token_embd.weight is missing (its dims give vocab_size). Defaults as llama.cpp:
+/// token_embd.weight is missing (its dims give vocab_size), or block_count asks for more layers
+/// than the file lists tensors for. Defaults as llama.cpp:
 /// attention.head_count_kv = head_count, layer_norm_rms_epsilon 1e-5, rope.freq_base 10000.
 /// RoPE pairs adjacent elements: llama.cpp's LLM_ARCH_LLAMA uses ggml's normal rope mode, which
 /// rotates (x[2j], x[2j+1]) with theta_j = pos * base^(-2j/head_size), as llama2.c's run.c does.
@@ -243,6 +254,12 @@ inline ModelConfig gguf_model_config(const GgufFile& g) {
     KVDECODE_CHECK(v == cfg.vocab_size, ctx, ": llama.vocab_size is ", v,
                    " but token_embd.weight has ", cfg.vocab_size, " rows");
   }
+  // Each layer has tensors of its own: a count beyond the file's is refused before anything is
+  // sized by it.
+  const auto listed = static_cast<std::int64_t>(g.tensors().size());
+  const std::int64_t per_layer = detail::gguf::tensors_per_layer();
+  KVDECODE_CHECK(cfg.n_layers <= listed / per_layer, ctx, ": llama.block_count is ", cfg.n_layers,
+                 " but the file lists ", listed, " tensors (", per_layer, " per layer)");
   cfg.shared_classifier = g.find_tensor("output.weight") == nullptr;
   try {
     cfg.validate();
