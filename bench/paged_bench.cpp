@@ -12,7 +12,9 @@
 //                             median step of each, whatever else the machine runs;
 //   BM_DecodeBatch            one Model::decode_batch step of B sequences at ~128 positions of
 //                             context each, on the 15M and 42M shapes, 1 or 2 threads: aggregate
-//                             tokens/s as items/s (B = 1 is the baseline).
+//                             tokens/s as items/s (B = 1 is the baseline);
+//   BM_DecodeBatchInterleaved B = 1 and B = 16 in turns of a few steps each: the median ratio
+//                             of their aggregate tokens/s, whatever else the machine runs.
 // Every store is checked against the contiguous store's logits before it is timed.
 // Before any Eigen include: GCC 12's false -Wmaybe-uninitialized (see bench_model.hpp).
 #if defined(__GNUC__) && !defined(__clang__)
@@ -341,60 +343,128 @@ const Model<float>& batch_model(std::int64_t shape) {
   return shape == 0 ? m15 : m42;
 }
 
+/// B paged sequences of 120..135 positions, filled with synthetic K/V rows (attention costs the
+/// same whatever the values) so that setting up 64 sequences does not take a 64 × 128-token
+/// prefill, and the scratch of one decode_batch step over them.
+class DecodeBatchSetup {
+ public:
+  DecodeBatchSetup(const ModelConfig& cfg, std::size_t B, ThreadPool* threads)
+      : pool_(cfg, B * (144 / 16), 16, BlockPoolOptions{0, false}),
+        act_(cfg, {.max_chunk = 1, .max_batch = B, .thread_pool = threads}),
+        next_(B) {
+    const auto kv_dim = static_cast<std::size_t>(cfg.kv_dim());
+    seqs_.reserve(B);
+    detail::SplitMix64 rng(11);
+    std::vector<float> k(kv_dim), v(kv_dim);
+    for (std::size_t b = 0; b < B; ++b) {
+      seqs_.emplace_back(pool_);
+      const std::size_t context = 120 + b % 16;
+      const std::vector<std::int32_t> prompt = bench_tokens(context, 20 + b);
+      seqs_.back().begin_append(prompt);
+      for (std::size_t l = 0; l < static_cast<std::size_t>(cfg.n_layers); ++l)
+        for (std::size_t p = 0; p < context; ++p) {
+          for (auto& x : k) x = static_cast<float>(rng.next() % 2001) / 1000.0f - 1.0f;
+          for (auto& x : v) x = static_cast<float>(rng.next() % 2001) / 1000.0f - 1.0f;
+          seqs_.back().write(l, p, k.data(), v.data());
+        }
+      seqs_.back().commit_append();
+      next_[b] = static_cast<std::int32_t>(1 + b);
+    }
+    for (auto& s : seqs_) ptrs_.push_back(&s);
+  }
+
+  /// One step of every sequence, then each truncated back: the same contexts every step.
+  void step(const Model<float>& model) {
+    const auto logits = model.decode_batch(std::span<const std::int32_t>(next_),
+                                           std::span<PagedStore<float>* const>(ptrs_), act_);
+    benchmark::DoNotOptimize(logits.data());
+    for (auto& s : seqs_) s.truncate(s.size() - 1);
+  }
+
+ private:
+  BlockPool<float> pool_;
+  std::vector<PagedStore<float>> seqs_;
+  std::vector<PagedStore<float>*> ptrs_;
+  Activations<float> act_;
+  std::vector<std::int32_t> next_;
+};
+
+/// Bytes of weights one step reads: every matrix, the classifier, no embedding table.
+std::size_t step_weight_bytes(const ModelConfig& cfg) {
+  const auto dim = static_cast<std::size_t>(cfg.dim);
+  const auto kv_dim = static_cast<std::size_t>(cfg.kv_dim());
+  return (static_cast<std::size_t>(cfg.n_layers) *
+              (2 * dim * dim + 2 * kv_dim * dim +
+               3 * static_cast<std::size_t>(cfg.hidden_dim) * dim) +
+          static_cast<std::size_t>(cfg.vocab_size) * dim) *
+         sizeof(float);
+}
+
 void BM_DecodeBatch(benchmark::State& state) {
   const std::int64_t shape = state.range(0);
   const auto B = static_cast<std::size_t>(state.range(1));
   const auto n_threads = static_cast<std::size_t>(state.range(2));
-  const ModelConfig cfg = batch_config(shape);
   const Model<float>& model = batch_model(shape);
-  const auto kv_dim = static_cast<std::size_t>(cfg.kv_dim());
-  // Contexts of 120..135 positions, filled with synthetic K/V rows (attention costs the same
-  // whatever the values) so that setting up 64 sequences does not take a 64 × 128-token prefill.
-  BlockPool<float> pool(cfg, B * (144 / 16), 16, BlockPoolOptions{0, false});
-  std::vector<PagedStore<float>> seqs;
-  std::vector<PagedStore<float>*> ptrs;
-  seqs.reserve(B);
-  detail::SplitMix64 rng(11);
-  std::vector<float> k(kv_dim), v(kv_dim);
-  for (std::size_t b = 0; b < B; ++b) {
-    seqs.emplace_back(pool);
-    const std::size_t context = 120 + b % 16;
-    const std::vector<std::int32_t> prompt = bench_tokens(context, 20 + b);
-    seqs.back().begin_append(prompt);
-    for (std::size_t l = 0; l < static_cast<std::size_t>(cfg.n_layers); ++l)
-      for (std::size_t p = 0; p < context; ++p) {
-        for (auto& x : k) x = static_cast<float>(rng.next() % 2001) / 1000.0f - 1.0f;
-        for (auto& x : v) x = static_cast<float>(rng.next() % 2001) / 1000.0f - 1.0f;
-        seqs.back().write(l, p, k.data(), v.data());
-      }
-    seqs.back().commit_append();
-  }
-  for (auto& s : seqs) ptrs.push_back(&s);
   ThreadPool threads(n_threads);
-  Activations<float> act(
-      cfg, {.max_chunk = 1, .max_batch = B, .thread_pool = n_threads > 1 ? &threads : nullptr});
-  std::vector<std::int32_t> next(B);
-  for (std::size_t b = 0; b < B; ++b) next[b] = static_cast<std::int32_t>(1 + b);
-  const std::span<PagedStore<float>* const> stores(ptrs);
-  for (auto _ : state) {
-    const auto logits = model.decode_batch(std::span<const std::int32_t>(next), stores, act);
-    benchmark::DoNotOptimize(logits.data());
-    for (auto& s : seqs) s.truncate(s.size() - 1);  // the same contexts every step
-  }
+  DecodeBatchSetup setup(batch_config(shape), B, n_threads > 1 ? &threads : nullptr);
+  for (auto _ : state) setup.step(model);
   state.SetItemsProcessed(static_cast<std::int64_t>(state.iterations() * B));
-  // Weights once per step; every matrix, the classifier, no embedding table.
-  const auto dim = static_cast<std::size_t>(cfg.dim);
-  const std::size_t weights =
-      static_cast<std::size_t>(cfg.n_layers) *
-          (2 * dim * dim + 2 * kv_dim * dim + 3 * static_cast<std::size_t>(cfg.hidden_dim) * dim) +
-      static_cast<std::size_t>(cfg.vocab_size) * dim;
-  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations() * weights * sizeof(float)));
+  state.SetBytesProcessed(
+      static_cast<std::int64_t>(state.iterations() * step_weight_bytes(batch_config(shape))));
 }
 // Args: shape (0 = 15M, 1 = 42M), B, threads.
 BENCHMARK(BM_DecodeBatch)
     ->ArgNames({"shape", "B", "threads"})
     ->ArgsProduct({{0, 1}, {1, 2, 4, 16, 64}, {1, 2}})
     ->ComputeStatistics("min", min_of)
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+
+/// B = 1 and B = 16 in turn in one run, so that whatever else the machine does slows both
+/// alike: each turn is a few untimed steps (that configuration's weights and K/V back in the
+/// caches as far as they fit, as when it runs alone) and then timed steps, whose median is the
+/// turn's step. Reports the median step of each and the median over turns of each pair's
+/// throughput ratio, 16 × B = 1's step / B = 16's step (the 8× target of batching).
+void BM_DecodeBatchInterleaved(benchmark::State& state) {
+  const std::int64_t shape = state.range(0);
+  const auto n_threads = static_cast<std::size_t>(state.range(1));
+  const Model<float>& model = batch_model(shape);
+  ThreadPool threads(n_threads);
+  ThreadPool* const pool = n_threads > 1 ? &threads : nullptr;
+  DecodeBatchSetup one(batch_config(shape), 1, pool);
+  DecodeBatchSetup sixteen(batch_config(shape), 16, pool);
+  constexpr int kWarm = 3, kTimed = 5;
+  const auto median = [](std::vector<double> v) {
+    std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2), v.end());
+    return v[v.size() / 2];
+  };
+  const auto turn = [&](DecodeBatchSetup& s) {
+    for (int i = 0; i < kWarm; ++i) s.step(model);
+    std::vector<double> ms;
+    for (int i = 0; i < kTimed; ++i) {
+      const auto t0 = std::chrono::steady_clock::now();
+      s.step(model);
+      ms.push_back(
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    }
+    return median(ms);
+  };
+  std::vector<double> t1, t16, ratio;
+  for (auto _ : state) {
+    const double a = turn(one);
+    const double b = turn(sixteen);
+    t1.push_back(a);
+    t16.push_back(b);
+    ratio.push_back(16 * a / b);
+  }
+  state.counters["B1_ms"] = median(t1);
+  state.counters["B16_ms"] = median(t16);
+  state.counters["B16/B1_tok_s"] = median(ratio);
+}
+// Args: shape (0 = 15M, 1 = 42M), threads.
+BENCHMARK(BM_DecodeBatchInterleaved)
+    ->ArgNames({"shape", "threads"})
+    ->ArgsProduct({{0, 1}, {1, 2}})
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
 

@@ -1,8 +1,8 @@
-// Attention on the quantized stores' codes (detail/coded_attention.hpp and the coded path of
+// Attention on rows read in place (detail/coded_attention.hpp and the coded path of
 // model/attention.hpp) against attention written here in double over rows decoded from the
-// codes with the formats' formulas: the kernels one by one in every kernel set this CPU runs,
-// then whole attention over Int8Store, Q4Store (rotated or not, with and without an exact
-// residual) and Q2Store at head sizes 16, 48, 64 and 128 and sizes with a tail.
+// codes with the formats' formulas: the kernels one by one in every kernel set this CPU runs
+// (the f32 rows' too), then whole attention over Int8Store, Q4Store (rotated or not, with and
+// without an exact residual) and Q2Store at head sizes 16, 48, 64 and 128 and sizes with a tail.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -116,6 +116,57 @@ TEST(CodedAttentionTest, Int8KernelsMatchTheFormula) {
         ASSERT_NEAR(o[c], want, static_cast<double>(2 * rows + 6) * kUnit * mag)
             << kernel_set_name(ks) << " hs " << hs << " rows " << rows << " channel " << c;
       }
+    }
+}
+
+// f32 rows in place (a decode step over a store of floats), with a row stride past head_size
+// as a store's rows may have. Scores: a sum of hs products, then the scale. p·v: o plus a sum of
+// rows products, and the sum over rows [0, rows) equals the sum over [0, b) then [b, rows) bit
+// for bit (one chain per channel in row order), which is what lets a paged table's blocks give
+// a contiguous store's attention.
+TEST(CodedAttentionTest, F32RowKernelsMatchTheFormula) {
+  for (const KernelSet ks : supported_sets())
+    for (const Shape sh : kShapes) {
+      detail::SplitMix64 rng(sh.hs * 97 + sh.rows);
+      const std::size_t hs = sh.hs, rows = sh.rows, stride = hs + 3;
+      std::vector<float> q(hs), p(rows), keys(rows * stride), values(rows * stride);
+      for (float& x : q) x = uniform(rng);
+      for (float& x : p) x = std::abs(uniform(rng));
+      for (float& x : keys) x = uniform(rng);
+      for (float& x : values) x = uniform(rng);
+      const float scale = 0.3f;
+      std::vector<float> s(rows, -1.0f);
+      detail::f32_row_scores(ks, s.data(), q.data(), keys.data(), values.data(), stride, rows, hs,
+                             scale);
+      for (std::size_t r = 0; r < rows; ++r) {
+        double dot = 0, mag = 0;
+        for (std::size_t c = 0; c < hs; ++c) {
+          dot += double{q[c]} * keys[r * stride + c];
+          mag += std::abs(double{q[c]} * keys[r * stride + c]);
+        }
+        ASSERT_NEAR(s[r], dot * scale, static_cast<double>(hs + 2) * kUnit * mag * scale)
+            << kernel_set_name(ks) << " hs " << hs << " row " << r;
+      }
+      std::vector<float> o(hs);
+      for (float& x : o) x = uniform(rng);
+      const std::vector<float> o0 = o;
+      detail::f32_row_pv(ks, o.data(), p.data(), values.data(), stride, rows, hs);
+      for (std::size_t c = 0; c < hs; ++c) {
+        double want = o0[c], mag = std::abs(double{o0[c]});
+        for (std::size_t r = 0; r < rows; ++r) {
+          want += double{p[r]} * values[r * stride + c];
+          mag += std::abs(double{p[r]} * values[r * stride + c]);
+        }
+        ASSERT_NEAR(o[c], want, static_cast<double>(2 * rows + 2) * kUnit * mag)
+            << kernel_set_name(ks) << " hs " << hs << " rows " << rows << " channel " << c;
+      }
+      const std::size_t b = rows / 3;
+      std::vector<float> split = o0;
+      detail::f32_row_pv(ks, split.data(), p.data(), values.data(), stride, b, hs);
+      detail::f32_row_pv(ks, split.data(), p.data() + b, values.data() + b * stride, stride,
+                         rows - b, hs);
+      ASSERT_EQ(split, o) << kernel_set_name(ks) << " hs " << hs << " rows " << rows << " split at "
+                          << b;
     }
 }
 

@@ -1,5 +1,6 @@
-// Attention's two products on the quantized stores' codes, for one query against one block of
-// rows, in the run-time kernel sets of cpu.hpp. The codes are widened to f32 in registers and
+// Attention's two products for one query against one block of rows read in place, in the
+// run-time kernel sets of cpu.hpp: f32 rows (a decode step over a store of floats), and the
+// quantized stores' codes. The codes are widened to f32 in registers and
 // multiplied with the f32 query (or probabilities), the scales folded in after the sum, so no
 // row is dequantized into memory; only the 4-bit scores of the avx512bf16 set round the folded
 // query to int8 for integer dot products (q4_scores_vnni below):
@@ -8,6 +9,9 @@
 //            with qs = q ⊙ kstep, qm = q · kmin (the group's per-channel key range)
 //   both     o += Σ_r (p[r] · vstep[r]) code[r], and for the values' per-row minimum
 //            o += Σ_r p[r] · vmin[r] on every channel.
+//   f32      s[r] = (q · k[r]) · scale, and o += Σ_r p[r] · v[r] in one multiply-add chain per
+//            channel in row order, so the sum over a tile does not depend on how its rows are
+//            split into blocks (a paged table gives a contiguous store's bits).
 // The portable functions are the reference the tests check the AVX-512 ones against.
 #pragma once
 
@@ -83,6 +87,23 @@ inline void coded_pv_low_bit_portable(float* o, const float* p, const std::uint8
       o[c] += w * static_cast<float>(low_bit_code(codes + r * row_bytes, c, bits));
   }
   for (std::size_t c = 0; c < hs; ++c) o[c] += bias;
+}
+
+/// s [rows] = q [hs] · keys [rows][stride] (first hs of each row) · scale.
+inline void f32_row_scores_portable(float* s, const float* q, const float* keys, std::size_t stride,
+                                    std::size_t rows, std::size_t hs, float scale) {
+  for (std::size_t r = 0; r < rows; ++r) {
+    float acc = 0.0f;
+    for (std::size_t c = 0; c < hs; ++c) acc += q[c] * keys[r * stride + c];
+    s[r] = acc * scale;
+  }
+}
+
+/// o [hs] += Σ_r p [r] · values [r][stride] (first hs of each row), rows in order.
+inline void f32_row_pv_portable(float* o, const float* p, const float* values, std::size_t stride,
+                                std::size_t rows, std::size_t hs) {
+  for (std::size_t r = 0; r < rows; ++r)
+    for (std::size_t c = 0; c < hs; ++c) o[c] += p[r] * values[r * stride + c];
 }
 
 #if KVDECODE_X86_KERNELS
@@ -527,11 +548,90 @@ KVDECODE_TARGET_AVX512 inline float low_bit_weights_avx512(float* w, const float
   return _mm512_reduce_add_ps(bias);
 }
 
+// f32 rows in place. A decode step reads each key and value row once, from memory at long
+// context or in a batch (a tile's rows were last touched a whole step ago).
+
+/// How far ahead of the f32 key row being read its lines are requested.
+inline constexpr std::size_t kF32PrefetchBytes = 4096;
+
+/// A row of f32 keys [stride] (first hs used) · q [hs], as 16 partial sums. The row's value
+/// line is requested at the same time: p·v reads it right after this tile's scores, and two
+/// streams in flight read faster than the keys and then the values.
+struct F32RowDot {
+  const float* q;
+  const float* keys;    // [rows][stride]
+  const float* values;  // [rows][stride]
+  std::size_t stride;
+  std::size_t hs;
+  KVDECODE_TARGET_AVX512 __m512 operator()(std::size_t r) const {
+    const float* row = keys + r * stride;
+    const char* value = reinterpret_cast<const char*>(values + r * stride);
+    for (std::size_t b = 0; b < hs * sizeof(float); b += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(row) + kF32PrefetchBytes + b, _MM_HINT_T0);
+      _mm_prefetch(value + b, _MM_HINT_T1);
+    }
+    __m512 a = _mm512_setzero_ps();
+    std::size_t c = 0;
+    for (; c + 16 <= hs; c += 16)
+      a = _mm512_fmadd_ps(_mm512_loadu_ps(q + c), _mm512_loadu_ps(row + c), a);
+    if (c < hs) {
+      const __mmask16 m = coded_mask16(hs - c);
+      a = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q + c), _mm512_maskz_loadu_ps(m, row + c), a);
+    }
+    return a;
+  }
+};
+
+/// o [hs] channels [d0, d0 + 16·J) += Σ_r p[r] · v[r] [stride], one multiply-add chain per
+/// channel from o's value, rows in order (a row arrives from memory slower than a chain step).
+template <int J>
+KVDECODE_TARGET_AVX512 inline void f32_pv_chunk_avx512(float* o, const float* p, const float* v,
+                                                       std::size_t stride, std::size_t rows,
+                                                       std::size_t hs, std::size_t d0) {
+  __mmask16 m[J];
+  __m512 acc[J];
+  KVDECODE_UNROLL
+  for (int j = 0; j < J; ++j) {
+    m[j] = coded_mask16(hs - d0 - 16 * static_cast<std::size_t>(j));
+    acc[j] = _mm512_maskz_loadu_ps(m[j], o + d0 + 16 * static_cast<std::size_t>(j));
+  }
+  for (std::size_t r = 0; r < rows; ++r) {
+    const float* row = v + r * stride + d0;
+    const __m512 wb = _mm512_set1_ps(p[r]);
+    KVDECODE_UNROLL
+    for (int j = 0; j < J; ++j)
+      acc[j] = _mm512_fmadd_ps(
+          wb, _mm512_maskz_loadu_ps(m[j], row + 16 * static_cast<std::size_t>(j)), acc[j]);
+  }
+  KVDECODE_UNROLL
+  for (int j = 0; j < J; ++j)
+    _mm512_mask_storeu_ps(o + d0 + 16 * static_cast<std::size_t>(j), m[j], acc[j]);
+}
+
+/// o [hs] += Σ_r p [r] · v [r][stride], 64 channels at a time.
+KVDECODE_TARGET_AVX512 inline void f32_pv_avx512(float* o, const float* p, const float* v,
+                                                 std::size_t stride, std::size_t rows,
+                                                 std::size_t hs) {
+  for (std::size_t d0 = 0; d0 < hs; d0 += 64) {
+    const std::size_t left = hs - d0;
+    if (left > 48) {
+      f32_pv_chunk_avx512<4>(o, p, v, stride, rows, hs, d0);
+    } else if (left > 32) {
+      f32_pv_chunk_avx512<3>(o, p, v, stride, rows, hs, d0);
+    } else if (left > 16) {
+      f32_pv_chunk_avx512<2>(o, p, v, stride, rows, hs, d0);
+    } else {
+      f32_pv_chunk_avx512<1>(o, p, v, stride, rows, hs, d0);
+    }
+  }
+}
+
 KVDECODE_INTRINSICS_END
 #endif  // KVDECODE_X86_KERNELS
 
-/// Whether set ks has the kernels above (the others decode rows into scratch instead, where
-/// Eigen's or attention_products.hpp's products over f32 rows are faster than plain loops).
+/// Whether set ks has the kernels above (in the others the coded stores decode rows into
+/// scratch, and f32 rows take Eigen's or attention_products.hpp's products, which are faster
+/// than plain loops).
 constexpr bool coded_attention_kernels(KernelSet ks) {
   return KVDECODE_X86_KERNELS && (ks == KernelSet::kAvx512 || ks == KernelSet::kAvx512Bf16);
 }
@@ -606,6 +706,31 @@ inline void coded_pv_low_bit(KernelSet ks, float* o, const float* p, float* w,
 #endif
   static_cast<void>(ks), static_cast<void>(w);
   coded_pv_low_bit_portable(o, p, codes, bits, vmin, vstep, rows, hs);
+}
+
+/// s [rows] = q [hs] · keys [rows][stride] (first hs of each row) · scale, with set ks;
+/// values [rows][stride] are the rows p·v will read next (requested while the keys are read).
+inline void f32_row_scores(KernelSet ks, float* s, const float* q, const float* keys,
+                           const float* values, std::size_t stride, std::size_t rows,
+                           std::size_t hs, float scale) {
+#if KVDECODE_X86_KERNELS
+  if (coded_attention_kernels(ks))
+    return coded_scores_avx512(s, 0.0f, nullptr, nullptr, 0.0f, rows, scale,
+                               F32RowDot{q, keys, values, stride, hs});
+#endif
+  static_cast<void>(ks), static_cast<void>(values);
+  f32_row_scores_portable(s, q, keys, stride, rows, hs, scale);
+}
+
+/// o [hs] += Σ_r p [r] · values [r][stride] (first hs of each row), with set ks: the same bits
+/// whether rows [a, c) come in one call or as [a, b) and [b, c).
+inline void f32_row_pv(KernelSet ks, float* o, const float* p, const float* values,
+                       std::size_t stride, std::size_t rows, std::size_t hs) {
+#if KVDECODE_X86_KERNELS
+  if (coded_attention_kernels(ks)) return f32_pv_avx512(o, p, values, stride, rows, hs);
+#endif
+  static_cast<void>(ks);
+  f32_row_pv_portable(o, p, values, stride, rows, hs);
 }
 
 }  // namespace kvdecode::detail

@@ -142,6 +142,13 @@ inline bool online_softmax_row(T* row_data, std::size_t cols, T& m, T& l, T* o, 
 /// and shares it among its queries through the matrix products.
 inline constexpr std::size_t kMaxCodedQueries = 4;
 
+/// Up to this many queries attend to f32 rows in place one query at a time, in the sets with
+/// coded_attention.hpp's kernels: a decode step reads each row once, so the rows stream from
+/// memory with their next lines requested ahead instead of through a GEMV. It is the few-token
+/// projections' bound, so a speculative verification's queries take decode's arithmetic; a
+/// longer chunk shares each tile among its queries through the matrix products.
+inline constexpr std::size_t kMaxRowQueries = detail::kMaxFewTokens;
+
 namespace detail {
 /// Stands for attention's coded-block callback when CodedKvStore is checked.
 struct CodedBlockSinkArchetype {
@@ -151,7 +158,7 @@ struct CodedBlockSinkArchetype {
 
 /// attend_kv_head on the codes a CodedKvStore hands (for_each_coded_block), with set ks's
 /// coded_attention.hpp kernels: scores and p·v widen each row's codes in registers, so no row
-/// is decoded into memory; rows the store keeps in full precision take Eigen's products. A
+/// is decoded into memory; rows the store keeps in full precision take the f32 row kernels. A
 /// block's rows go through the online softmax query by query, in tiles of at most kTile rows.
 /// Rotated low-bit codes are met with the rotated query (R q · y = q · Rᵀ y), and their value
 /// sum is rotated back before it joins the output.
@@ -165,7 +172,6 @@ void attend_kv_head_coded(const ModelConfig& cfg, const S& store, std::size_t la
   const auto kv_mul = static_cast<std::size_t>(cfg.kv_mul());
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  const auto hsi = static_cast<Eigen::Index>(hs);
   const std::size_t q_last = q_first + n - 1;
 
   float* const s_all = scratch.thread_scores(t);        // [n][kTile] one tile's scores per query
@@ -256,21 +262,14 @@ void attend_kv_head_coded(const ModelConfig& cfg, const S& store, std::size_t la
             });
       } else {
         static_assert(std::is_same_v<Block, KvBlock<float>>, "a coded block attention knows");
-        const auto ri = static_cast<Eigen::Index>(rows);
-        const Eigen::OuterStride<> bs(static_cast<Eigen::Index>(b.stride));
-        const ConstStridedMap<float> keys(b.keys + r0 * b.stride, ri, hsi, bs);
-        const ConstStridedMap<float> values(b.values + r0 * b.stride, ri, hsi, bs);
-        using RowVec = Eigen::Matrix<float, 1, Eigen::Dynamic>;
+        const float* keys = b.keys + r0 * b.stride;      // [rows][stride]
+        const float* values = b.values + r0 * b.stride;  // [rows][stride]
         attend_rows(
             b.first + r0, rows,
             [&](float* s, const float* qh, float) {
-              Eigen::Map<RowVec> sr(s, ri);
-              sr.noalias() = Eigen::Map<const RowVec>(qh, hsi) * keys.transpose();
-              sr *= scale;
+              f32_row_scores(ks, s, qh, keys, values, b.stride, rows, hs, scale);
             },
-            [&](float* o, const float* p) {
-              Eigen::Map<RowVec>(o, hsi).noalias() += Eigen::Map<const RowVec>(p, ri) * values;
-            });
+            [&](float* o, const float* p) { f32_row_pv(ks, o, p, values, b.stride, rows, hs); });
       }
     }
   });
@@ -299,7 +298,9 @@ void attend_kv_head_coded(const ModelConfig& cfg, const S& store, std::size_t la
 /// fragmented store takes the same softmax steps as a contiguous one. With Eigen's products a
 /// tile of several blocks is copied into one [kTile][head_size] key tile and value tile, then
 /// computed as the contiguous store's tile is (the same bits); the kernel set's products pack
-/// the keys anyway and take p·v per block. A store that decodes into scratch
+/// the keys anyway and take p·v per block; up to kMaxRowQueries f32 queries read the blocks in
+/// place, each row's score on its own and p·v in row order (the same bits too). A store that
+/// decodes into scratch
 /// (block_scratch_size() > 0) hands a block valid only during its callback, so its tiles end at
 /// every block.
 template <class T, KvStore S>
@@ -350,7 +351,9 @@ void attend_kv_head(const ModelConfig& cfg, const S& store, std::size_t layer, s
   std::size_t cols = 0;
   // A build whose Eigen is narrower than the CPU takes the kernel set's products instead.
   const KernelSet ks = active_kernel_set();
-  const bool own_products = detail::attention_uses_kernels<T>(ks);
+  const bool by_rows =
+      std::is_same_v<T, float> && n <= kMaxRowQueries && detail::coded_attention_kernels(ks);
+  const bool own_products = !by_rows && detail::attention_uses_kernels<T>(ks);
   T* const kt = own_products ? scratch.thread_packed_keys(t) : nullptr;  // [hs][kTile]
 
   const auto flush = [&] {
@@ -366,7 +369,7 @@ void attend_kv_head(const ModelConfig& cfg, const S& store, std::size_t layer, s
     TileRun packed{};
     const TileRun* products = runs.data();  // [n_products]
     std::size_t n_products = n_runs;
-    if (!own_products && n_runs > 1) {
+    if (!own_products && !by_rows && n_runs > 1) {
       T* const gk = scratch.thread_gathered(t);  // [kTile][hs]
       T* const gv = gk + kTile * hs;             // [kTile][hs]
       for (std::size_t k = 0; k < n_runs; ++k) {
@@ -411,10 +414,18 @@ void attend_kv_head(const ModelConfig& cfg, const S& store, std::size_t layer, s
           return run.col >= vis ? std::size_t{0} : std::min(run.rows, vis - run.col);
         };
         if constexpr (std::is_same_v<T, float>)
+          if (by_rows)
+            for (std::size_t r = r0; r < r0 + rb; ++r)
+              for (std::size_t k = 0; k < n_runs; ++k)
+                if (const std::size_t take = taken(runs[k]); take > 0)
+                  detail::f32_row_scores(ks, tile_scores + r * cols + runs[k].col,
+                                         q + r * dim + h * hs, runs[k].keys, runs[k].values,
+                                         runs[k].stride, take, hs, scale);
+        if constexpr (std::is_same_v<T, float>)
           if (own_products)
             detail::attention_scores(ks, tile_scores + r0 * cols, cols, q + r0 * dim + h * hs, dim,
                                      kt, kTile, rb, vis, hs, scale);
-        for (std::size_t k = 0; k < n_products && !own_products; ++k) {
+        for (std::size_t k = 0; k < n_products && !own_products && !by_rows; ++k) {
           const TileRun& run = products[k];
           const std::size_t take = taken(run);
           if (take == 0) break;
@@ -452,6 +463,16 @@ void attend_kv_head(const ModelConfig& cfg, const S& store, std::size_t layer, s
           }
           detail::online_softmax_row(row, vis, m[r], l[r], out + r * dim + h * hs, hs, ks);
         }
+        if constexpr (std::is_same_v<T, float>)
+          if (by_rows) {
+            for (std::size_t r = r0; r < r0 + rb; ++r)
+              for (std::size_t k = 0; k < n_runs; ++k)
+                if (const std::size_t take = taken(runs[k]); take > 0)
+                  detail::f32_row_pv(ks, out + r * dim + h * hs,
+                                     tile_scores + r * cols + runs[k].col, runs[k].values,
+                                     runs[k].stride, take, hs);
+            continue;
+          }
         if constexpr (std::is_same_v<T, float>)
           if (own_products) {
             for (std::size_t k = 0; k < n_runs; ++k)

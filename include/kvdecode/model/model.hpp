@@ -404,7 +404,8 @@ class Model {
              act.pool);
     } else {
       // A batch: (part, kv head) items claimed from a shared counter, as the sequences'
-      // contexts differ.
+      // contexts differ; kv head by kv head, so that a pool's sequences appended in turn are
+      // read in the order their blocks lie in (BlockPool keeps a head's blocks together).
       std::size_t work = 0;
       for (const SequenceRows& part : parts)
         work += part.rows * (stores[part.seq]->size() + part.pending_first + part.rows);
@@ -415,9 +416,9 @@ class Model {
       parallel_run(pool, [&](std::size_t t, std::size_t) {
         for (std::size_t i = next.fetch_add(1, std::memory_order_relaxed); i < items;
              i = next.fetch_add(1, std::memory_order_relaxed)) {
-          const SequenceRows& part = parts[i / n_kv_heads];
+          const SequenceRows& part = parts[i % parts.size()];
           const S& cache = *stores[part.seq];
-          attend_kv_head(cfg, cache, l, i % n_kv_heads, cache.size() + part.pending_first,
+          attend_kv_head(cfg, cache, l, i / parts.size(), cache.size() + part.pending_first,
                          part.rows, act.q.data() + part.row * dim, act.att.data() + part.row * dim,
                          act.attention, t);
         }
