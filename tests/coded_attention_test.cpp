@@ -136,8 +136,8 @@ TEST(CodedAttentionTest, F32RowKernelsMatchTheFormula) {
       for (float& x : values) x = uniform(rng);
       const float scale = 0.3f;
       std::vector<float> s(rows, -1.0f);
-      detail::f32_row_scores(ks, s.data(), q.data(), keys.data(), values.data(), stride, rows, hs,
-                             scale);
+      detail::f32_row_scores(ks, s.data(), q.data(), keys.data(), values.data(),
+                             sh.rows % 2 == 0 ? values.data() : nullptr, stride, rows, hs, scale);
       for (std::size_t r = 0; r < rows; ++r) {
         double dot = 0, mag = 0;
         for (std::size_t c = 0; c < hs; ++c) {

@@ -15,6 +15,7 @@
 // The portable functions are the reference the tests check the AVX-512 ones against.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -554,20 +555,29 @@ KVDECODE_TARGET_AVX512 inline float low_bit_weights_avx512(float* w, const float
 /// How far ahead of the f32 key row being read its lines are requested.
 inline constexpr std::size_t kF32PrefetchBytes = 4096;
 
-/// A row of f32 keys [stride] (first hs used) · q [hs], as 16 partial sums. The row's value
-/// line is requested at the same time: p·v reads it right after this tile's scores, and two
-/// streams in flight read faster than the keys and then the values.
+/// A row of f32 keys [stride] (first hs used) · q [hs], as 16 partial sums. The key row
+/// kF32PrefetchBytes ahead is requested, in the next block where this one ends before it (a
+/// paged table's next block lies elsewhere; at most one block ahead, as the block after it is
+/// not known), and the row's value line at the same time: p·v
+/// reads it right after this tile's scores, and two streams in flight read faster than the
+/// keys and then the values.
 struct F32RowDot {
   const float* q;
   const float* keys;    // [rows][stride]
   const float* values;  // [rows][stride]
+  const float* next;    // the next block's keys [][stride], or null: past the end of keys
+  std::size_t rows;
   std::size_t stride;
   std::size_t hs;
   KVDECODE_TARGET_AVX512 __m512 operator()(std::size_t r) const {
     const float* row = keys + r * stride;
+    const std::size_t ahead = r + (kF32PrefetchBytes / sizeof(float) + stride - 1) / stride;
+    const char* pf = reinterpret_cast<const char*>(ahead < rows || next == nullptr
+                                                       ? keys + ahead * stride
+                                                       : next + std::min(ahead - rows, r) * stride);
     const char* value = reinterpret_cast<const char*>(values + r * stride);
     for (std::size_t b = 0; b < hs * sizeof(float); b += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(row) + kF32PrefetchBytes + b, _MM_HINT_T0);
+      _mm_prefetch(pf + b, _MM_HINT_T0);
       _mm_prefetch(value + b, _MM_HINT_T1);
     }
     __m512 a = _mm512_setzero_ps();
@@ -709,16 +719,17 @@ inline void coded_pv_low_bit(KernelSet ks, float* o, const float* p, float* w,
 }
 
 /// s [rows] = q [hs] · keys [rows][stride] (first hs of each row) · scale, with set ks;
-/// values [rows][stride] are the rows p·v will read next (requested while the keys are read).
+/// values [rows][stride] are the rows p·v will read next and next_keys the next block's keys
+/// (or null), both requested while the keys are read.
 inline void f32_row_scores(KernelSet ks, float* s, const float* q, const float* keys,
-                           const float* values, std::size_t stride, std::size_t rows,
-                           std::size_t hs, float scale) {
+                           const float* values, const float* next_keys, std::size_t stride,
+                           std::size_t rows, std::size_t hs, float scale) {
 #if KVDECODE_X86_KERNELS
   if (coded_attention_kernels(ks))
     return coded_scores_avx512(s, 0.0f, nullptr, nullptr, 0.0f, rows, scale,
-                               F32RowDot{q, keys, values, stride, hs});
+                               F32RowDot{q, keys, values, next_keys, rows, stride, hs});
 #endif
-  static_cast<void>(ks), static_cast<void>(values);
+  static_cast<void>(ks), static_cast<void>(values), static_cast<void>(next_keys);
   f32_row_scores_portable(s, q, keys, stride, rows, hs, scale);
 }
 

@@ -267,7 +267,7 @@ void attend_kv_head_coded(const ModelConfig& cfg, const S& store, std::size_t la
         attend_rows(
             b.first + r0, rows,
             [&](float* s, const float* qh, float) {
-              f32_row_scores(ks, s, qh, keys, values, b.stride, rows, hs, scale);
+              f32_row_scores(ks, s, qh, keys, values, nullptr, b.stride, rows, hs, scale);
             },
             [&](float* o, const float* p) { f32_row_pv(ks, o, p, values, b.stride, rows, hs); });
       }
@@ -420,6 +420,7 @@ void attend_kv_head(const ModelConfig& cfg, const S& store, std::size_t layer, s
                 if (const std::size_t take = taken(runs[k]); take > 0)
                   detail::f32_row_scores(ks, tile_scores + r * cols + runs[k].col,
                                          q + r * dim + h * hs, runs[k].keys, runs[k].values,
+                                         k + 1 < n_runs ? runs[k + 1].keys : nullptr,
                                          runs[k].stride, take, hs, scale);
         if constexpr (std::is_same_v<T, float>)
           if (own_products)
