@@ -558,9 +558,8 @@ inline constexpr std::size_t kF32PrefetchBytes = 4096;
 /// A row of f32 keys [stride] (first hs used) · q [hs], as 16 partial sums. The key row
 /// kF32PrefetchBytes ahead is requested, in the next block where this one ends before it (a
 /// paged table's next block lies elsewhere; at most one block ahead, as the block after it is
-/// not known), and the row's value line at the same time: p·v
-/// reads it right after this tile's scores, and two streams in flight read faster than the
-/// keys and then the values.
+/// not known), and the row's value line at the same time: p·v reads it right after this
+/// tile's scores, and two streams in flight read faster than the keys and then the values.
 struct F32RowDot {
   const float* q;
   const float* keys;    // [rows][stride]

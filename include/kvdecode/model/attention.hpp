@@ -300,9 +300,8 @@ void attend_kv_head_coded(const ModelConfig& cfg, const S& store, std::size_t la
 /// computed as the contiguous store's tile is (the same bits); the kernel set's products pack
 /// the keys anyway and take p·v per block; up to kMaxRowQueries f32 queries read the blocks in
 /// place, each row's score on its own and p·v in row order (the same bits too). A store that
-/// decodes into scratch
-/// (block_scratch_size() > 0) hands a block valid only during its callback, so its tiles end at
-/// every block.
+/// decodes into scratch (block_scratch_size() > 0) hands a block valid only during its
+/// callback, so its tiles end at every block.
 template <class T, KvStore S>
 void attend_kv_head(const ModelConfig& cfg, const S& store, std::size_t layer, std::size_t g,
                     std::size_t q_first, std::size_t n, const T* q, T* out,
@@ -349,7 +348,8 @@ void attend_kv_head(const ModelConfig& cfg, const S& store, std::size_t layer, s
   std::array<TileRun, kTile> runs;  // [n_runs] (a block gives at least one row)
   std::size_t n_runs = 0;
   std::size_t cols = 0;
-  // A build whose Eigen is narrower than the CPU takes the kernel set's products instead.
+  // Up to kMaxRowQueries f32 queries read the rows in place; otherwise a build whose Eigen is
+  // narrower than the CPU takes the kernel set's products instead of Eigen's.
   const KernelSet ks = active_kernel_set();
   const bool by_rows =
       std::is_same_v<T, float> && n <= kMaxRowQueries && detail::coded_attention_kernels(ks);
