@@ -49,6 +49,12 @@ const Model<float>& bench_model() {
 /// The fastest repetition: on a machine shared with other work the least disturbed one.
 double min_of(const std::vector<double>& v) { return *std::min_element(v.begin(), v.end()); }
 
+/// The upper median of v (not empty).
+double median_of(std::vector<double> v) {
+  std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2), v.end());
+  return v[v.size() / 2];
+}
+
 std::vector<std::int32_t> bench_tokens(std::size_t n, std::uint64_t seed) {
   detail::SplitMix64 rng(seed);
   std::vector<std::int32_t> t(n);
@@ -290,11 +296,7 @@ void BM_DecodeInterleaved(benchmark::State& state) {
       });
   }
   std::array<double, kLayouts.size()> median{};
-  for (std::size_t i = 0; i < kLayouts.size(); ++i) {
-    auto& v = step_us[i];
-    std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2), v.end());
-    median[i] = v[v.size() / 2];
-  }
+  for (std::size_t i = 0; i < kLayouts.size(); ++i) median[i] = median_of(step_us[i]);
   state.counters["contiguous_us"] = median[0];
   state.counters["one_run_us"] = median[1];
   // How many runs (KvBlocks of one layer and kv head) attention reads in each paged layout.
@@ -404,13 +406,13 @@ void BM_DecodeBatch(benchmark::State& state) {
   const std::int64_t shape = state.range(0);
   const auto B = static_cast<std::size_t>(state.range(1));
   const auto n_threads = static_cast<std::size_t>(state.range(2));
+  const ModelConfig cfg = batch_config(shape);
   const Model<float>& model = batch_model(shape);
   ThreadPool threads(n_threads);
-  DecodeBatchSetup setup(batch_config(shape), B, n_threads > 1 ? &threads : nullptr);
+  DecodeBatchSetup setup(cfg, B, n_threads > 1 ? &threads : nullptr);
   for (auto _ : state) setup.step(model);
   state.SetItemsProcessed(static_cast<std::int64_t>(state.iterations() * B));
-  state.SetBytesProcessed(
-      static_cast<std::int64_t>(state.iterations() * step_weight_bytes(batch_config(shape))));
+  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations() * step_weight_bytes(cfg)));
 }
 // Args: shape (0 = 15M, 1 = 42M), B, threads.
 BENCHMARK(BM_DecodeBatch)
@@ -434,10 +436,6 @@ void BM_DecodeBatchInterleaved(benchmark::State& state) {
   DecodeBatchSetup one(batch_config(shape), 1, pool);
   DecodeBatchSetup sixteen(batch_config(shape), 16, pool);
   constexpr int kWarm = 3, kTimed = 5;
-  const auto median = [](std::vector<double> v) {
-    std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2), v.end());
-    return v[v.size() / 2];
-  };
   const auto turn = [&](DecodeBatchSetup& s) {
     for (int i = 0; i < kWarm; ++i) s.step(model);
     std::vector<double> ms;
@@ -447,7 +445,7 @@ void BM_DecodeBatchInterleaved(benchmark::State& state) {
       ms.push_back(
           std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
     }
-    return median(ms);
+    return median_of(ms);
   };
   std::vector<double> t1, t16, ratio;
   for (auto _ : state) {
@@ -457,9 +455,9 @@ void BM_DecodeBatchInterleaved(benchmark::State& state) {
     t16.push_back(b);
     ratio.push_back(16 * a / b);
   }
-  state.counters["B1_ms"] = median(t1);
-  state.counters["B16_ms"] = median(t16);
-  state.counters["B16/B1_tok_s"] = median(ratio);
+  state.counters["B1_ms"] = median_of(t1);
+  state.counters["B16_ms"] = median_of(t16);
+  state.counters["B16/B1_tok_s"] = median_of(ratio);
 }
 // Args: shape (0 = 15M, 1 = 42M), threads.
 BENCHMARK(BM_DecodeBatchInterleaved)

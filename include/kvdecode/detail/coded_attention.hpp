@@ -568,9 +568,10 @@ struct F32RowDot {
   std::size_t rows;
   std::size_t stride;
   std::size_t hs;
+  std::size_t distance;  // kF32PrefetchBytes in rows, at least 1
   KVDECODE_TARGET_AVX512 __m512 operator()(std::size_t r) const {
     const float* row = keys + r * stride;
-    const std::size_t ahead = r + (kF32PrefetchBytes / sizeof(float) + stride - 1) / stride;
+    const std::size_t ahead = r + distance;
     const char* pf = reinterpret_cast<const char*>(ahead < rows || next == nullptr
                                                        ? keys + ahead * stride
                                                        : next + std::min(ahead - rows, r) * stride);
@@ -725,8 +726,10 @@ inline void f32_row_scores(KernelSet ks, float* s, const float* q, const float* 
                            std::size_t rows, std::size_t hs, float scale) {
 #if KVDECODE_X86_KERNELS
   if (coded_attention_kernels(ks))
-    return coded_scores_avx512(s, 0.0f, nullptr, nullptr, 0.0f, rows, scale,
-                               F32RowDot{q, keys, values, next_keys, rows, stride, hs});
+    return coded_scores_avx512(
+        s, 0.0f, nullptr, nullptr, 0.0f, rows, scale,
+        F32RowDot{q, keys, values, next_keys, rows, stride, hs,
+                  (kF32PrefetchBytes / sizeof(float) + stride - 1) / stride});
 #endif
   static_cast<void>(ks), static_cast<void>(values), static_cast<void>(next_keys);
   f32_row_scores_portable(s, q, keys, stride, rows, hs, scale);
