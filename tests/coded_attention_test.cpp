@@ -62,12 +62,30 @@ constexpr Shape kShapes[] = {{16, 1},  {16, 17},  {48, 64}, {48, 15}, {64, 16},
                              {64, 70}, {128, 33}, {40, 9},  {24, 31}, {8, 3},
                              {96, 20}, {80, 7},   {6, 4},   {4, 5},   {2, 3}};
 
+/// The weight of each row's value codes, p[r] · vstep[r], as the avx512bf16 set's p·v takes it
+/// when `rounded`: to 15 bits of the largest, d · round(w · (16383 / max w)), d = max w / 16383,
+/// each step in f32 as the kernel computes it.
+std::vector<double> code_weights(const std::vector<float>& p,
+                                 const std::vector<std::uint16_t>& vstep, bool rounded) {
+  std::vector<double> pw(p.size());
+  float top = 0.0f;
+  for (std::size_t r = 0; r < p.size(); ++r) {
+    pw[r] = double{p[r]} * f16(vstep[r]);
+    top = std::max(top, p[r] * static_cast<float>(f16(vstep[r])));
+  }
+  if (rounded)
+    for (std::size_t r = 0; r < p.size(); ++r)
+      pw[r] = double{top / 16383.0f} *
+              std::nearbyint(p[r] * static_cast<float>(f16(vstep[r])) * (16383.0f / top));
+  return pw;
+}
+
 TEST(CodedAttentionTest, Int8KernelsMatchTheFormula) {
   for (const KernelSet ks : supported_sets())
     for (const Shape sh : kShapes) {
       detail::SplitMix64 rng(sh.hs * 131 + sh.rows);
       const std::size_t hs = sh.hs, rows = sh.rows;
-      std::vector<float> q(hs), p(rows), w(rows);
+      std::vector<float> q(hs), p(rows), w((rows + 15) / 16 * 16);
       std::vector<std::uint16_t> kmin(rows), kstep(rows), vmin(rows), vstep(rows);  // f16
       std::vector<std::uint8_t> kc(rows * hs), vc(rows * hs);                       // [rows][hs]
       for (float& x : q) x = uniform(rng);
@@ -81,17 +99,28 @@ TEST(CodedAttentionTest, Int8KernelsMatchTheFormula) {
       for (auto& c : kc) c = static_cast<std::uint8_t>(rng.next());
       for (auto& c : vc) c = static_cast<std::uint8_t>(rng.next());
       const float scale = 0.3f;
-      std::vector<float> s(rows, -1.0f);
+      std::vector<float> s(rows, -1.0f), qv(detail::int8_query_floats(hs));
       float qs = 0;  // Σ q, which the caller passes (in f32; the bound below covers its rounding)
       for (const float x : q) qs += x;
-      detail::coded_scores_int8(ks, s.data(), q.data(), qs, kc.data(), kmin.data(), kstep.data(),
-                                rows, hs, scale);
+      detail::int8_query(ks, qv.data(), q.data(), hs);
+      detail::coded_scores_int8(ks, s.data(), q.data(), qv.data(), qs, kc.data(), kmin.data(),
+                                kstep.data(), rows, hs, scale);
+      // The avx512bf16 set's scores take the query rounded to 15 bits: i = round(q · (16383 /
+      // max|q|)), d = max|q| / 16383, each step in f32 as written; Σ i · code is exact.
+      const bool rounded = ks == KernelSet::kAvx512Bf16;
+      std::vector<double> qr(q.begin(), q.end());
+      if (rounded) {
+        float top = 0.0f;
+        for (const float x : q) top = std::max(top, std::abs(x));
+        const float inv = 16383.0f / top, d = top / 16383.0f;
+        for (std::size_t c = 0; c < hs; ++c) qr[c] = double{d} * std::nearbyint(q[c] * inv);
+      }
       for (std::size_t r = 0; r < rows; ++r) {
         // (step · Σ q c + min · Σ q) · scale: each sum of hs terms, then three operations.
         double dot = 0, dot_mag = 0, qsum = 0, qsum_mag = 0;
         for (std::size_t c = 0; c < hs; ++c) {
-          dot += double{q[c]} * kc[r * hs + c];
-          dot_mag += std::abs(double{q[c]} * kc[r * hs + c]);
+          dot += qr[c] * kc[r * hs + c];
+          dot_mag += std::abs(qr[c] * kc[r * hs + c]);
           qsum += q[c];
           qsum_mag += std::abs(q[c]);
         }
@@ -105,13 +134,12 @@ TEST(CodedAttentionTest, Int8KernelsMatchTheFormula) {
       const std::vector<float> o0 = o;
       detail::coded_pv_int8(ks, o.data(), p.data(), w.data(), vc.data(), vmin.data(), vstep.data(),
                             rows, hs);
+      const std::vector<double> pw = code_weights(p, vstep, rounded);
       for (std::size_t c = 0; c < hs; ++c) {
         double want = o0[c], mag = std::abs(double{o0[c]});
         for (std::size_t r = 0; r < rows; ++r) {
-          const double v = f16(vmin[r]) + f16(vstep[r]) * vc[r * hs + c];
-          want += double{p[r]} * v;
-          mag +=
-              std::abs(double{p[r]} * f16(vmin[r])) + double{p[r]} * f16(vstep[r]) * vc[r * hs + c];
+          want += double{p[r]} * f16(vmin[r]) + pw[r] * vc[r * hs + c];
+          mag += std::abs(double{p[r]} * f16(vmin[r])) + pw[r] * vc[r * hs + c];
         }
         ASSERT_NEAR(o[c], want, static_cast<double>(2 * rows + 6) * kUnit * mag)
             << kernel_set_name(ks) << " hs " << hs << " rows " << rows << " channel " << c;
@@ -177,7 +205,7 @@ TEST(CodedAttentionTest, LowBitKernelsMatchTheFormula) {
         detail::SplitMix64 rng(sh.hs * 17 + sh.rows + bits);
         const std::size_t hs = sh.hs, rows = sh.rows, row_bytes = hs * bits / 8;
         if (hs * bits % 8 != 0) continue;
-        std::vector<float> q(hs), qs((hs + 31) / 32 * 32), p(rows), w(rows);
+        std::vector<float> q(hs), qs((hs + 31) / 32 * 32), p(rows), w((rows + 15) / 16 * 16);
         std::vector<std::uint16_t> kmin(hs), kstep(hs), vmin(rows), vstep(rows);
         std::vector<std::uint8_t> kc(rows * row_bytes), vc(rows * row_bytes);
         for (float& x : q) x = uniform(rng);
@@ -207,7 +235,7 @@ TEST(CodedAttentionTest, LowBitKernelsMatchTheFormula) {
         // The avx512bf16 set's 4-bit scores take the folded query a = q ⊙ kstep rounded to
         // int8: i = round(a · (127 / max|a|)), d = max|a| / 127, each step in f32 as written
         // (a max|a| below 2^-100 counting as 0).
-        const bool int8_query = ks == KernelSet::kAvx512Bf16 && bits == 4;
+        const bool vnni = ks == KernelSet::kAvx512Bf16 && bits == 4;
         std::vector<float> a(hs), qi(hs);
         float top = 0.0f;
         for (std::size_t c = 0; c < hs; ++c) {
@@ -221,11 +249,10 @@ TEST(CodedAttentionTest, LowBitKernelsMatchTheFormula) {
           double want = 0, mag = 0;
           for (std::size_t c = 0; c < hs; ++c) {
             const double k = code(kc, r, c);
-            want += int8_query ? q[c] * f16(kmin[c]) + double{d} * qi[c] * k
-                               : double{q[c]} * (f16(kmin[c]) + k * f16(kstep[c]));
-            mag +=
-                std::abs(q[c] * f16(kmin[c])) +
-                (int8_query ? std::abs(double{d} * qi[c] * k) : std::abs(q[c] * k * f16(kstep[c])));
+            want += vnni ? q[c] * f16(kmin[c]) + double{d} * qi[c] * k
+                         : double{q[c]} * (f16(kmin[c]) + k * f16(kstep[c]));
+            mag += std::abs(q[c] * f16(kmin[c])) +
+                   (vnni ? std::abs(double{d} * qi[c] * k) : std::abs(q[c] * k * f16(kstep[c])));
           }
           ASSERT_NEAR(s[r], want * scale, static_cast<double>(2 * hs + 6) * kUnit * mag * scale)
               << bits << " bits, " << kernel_set_name(ks) << " hs " << hs << " row " << r;
@@ -235,11 +262,13 @@ TEST(CodedAttentionTest, LowBitKernelsMatchTheFormula) {
         const std::vector<float> o0 = o;
         detail::coded_pv_low_bit(ks, o.data(), p.data(), w.data(), vc.data(), bits, vmin.data(),
                                  vstep.data(), rows, hs);
+        // The avx512bf16 set's 4-bit p·v rounds the weights as the 8-bit one.
+        const std::vector<double> pw = code_weights(p, vstep, vnni);
         for (std::size_t c = 0; c < hs; ++c) {
           double want = o0[c], mag = std::abs(double{o0[c]});
           for (std::size_t r = 0; r < rows; ++r) {
-            want += p[r] * (f16(vmin[r]) + code(vc, r, c) * f16(vstep[r]));
-            mag += std::abs(p[r] * f16(vmin[r])) + std::abs(p[r] * code(vc, r, c) * f16(vstep[r]));
+            want += p[r] * f16(vmin[r]) + pw[r] * code(vc, r, c);
+            mag += std::abs(p[r] * f16(vmin[r])) + pw[r] * code(vc, r, c);
           }
           ASSERT_NEAR(o[c], want, static_cast<double>(2 * rows + 6) * kUnit * mag)
               << bits << " bits, " << kernel_set_name(ks) << " hs " << hs << " channel " << c;
@@ -288,29 +317,41 @@ TEST(CodedAttentionTest, LowBitNonFiniteRangesGiveNonFiniteScores) {
 // ---------------------------------------------------------------------------------------------
 
 /// Every row of [0, end) of (layer, kv head) decoded in double: [end][hs] keys and values.
-/// steps [end]: for a 4-bit key row, Σ_c code[c] · max_c kstep[c] of its group (what rounding
-/// the query to int8 can cost its score, per unit of max |query|), else 0; rotated [end]:
-/// whether the row is rotated.
+/// steps [end]: what rounding the query in the avx512bf16 set can cost a row's score, per unit
+/// of max |query| (half a rounding step times Σ_c code[c] · the channels' largest key step):
+/// for a 4-bit key row Σ_c code[c] · max_c kstep[c] of its group / 254, for an 8-bit one
+/// Σ_c code[c] · kstep / 32766, else 0; rotated [end]: whether the row is rotated; vsteps
+/// [end]: for an 8- or 4-bit value row, its step times the largest code (and √b for a row
+/// rotated in blocks of b channels: what an error of e per rotated channel can become in one
+/// channel), else 0; blocks [end]: the first row of each row's block.
 template <class S>
 void decode_rows(const S& s, std::size_t l, std::size_t g, std::size_t end,
                  std::vector<double>& keys, std::vector<double>& values, std::vector<double>& steps,
-                 std::vector<bool>& rotated) {
+                 std::vector<bool>& rotated, std::vector<double>& vsteps,
+                 std::vector<std::size_t>& blocks) {
   const std::size_t hs = s.head_size();
   keys.assign(end * hs, 0.0);
   values.assign(end * hs, 0.0);
   steps.assign(end, 0.0);
   rotated.assign(end, false);
+  vsteps.assign(end, 0.0);
+  blocks.assign(end, 0);
   s.for_each_coded_block(l, g, end, [&](const auto& b) {
     using B = std::remove_cvref_t<decltype(b)>;
     for (std::size_t r = 0; r < b.n; ++r) {
       double* k = keys.data() + (b.first + r) * hs;
       double* v = values.data() + (b.first + r) * hs;
+      blocks[b.first + r] = b.first;
       if constexpr (std::is_same_v<B, Int8KvBlock>) {
+        vsteps[b.first + r] = f16(b.value_step[r]) * 255;
+        double codes = 0;
         for (std::size_t c = 0; c < hs; ++c) {
           k[c] = f16(b.key_min[r]) + static_cast<double>(b.keys[r * hs + c]) * f16(b.key_step[r]);
           v[c] = f16(b.value_min[r]) +
                  static_cast<double>(b.values[r * hs + c]) * f16(b.value_step[r]);
+          codes += b.keys[r * hs + c];
         }
+        steps[b.first + r] = codes * f16(b.key_step[r]) / 32766;
       } else if constexpr (std::is_same_v<B, LowBitKvBlock>) {
         const std::size_t per = 8 / b.bits, row_bytes = hs / per;
         const auto code = [&](const std::uint8_t* codes, std::size_t c) {
@@ -325,7 +366,12 @@ void decode_rows(const S& s, std::size_t l, std::size_t g, std::size_t end,
           codes += code(b.keys, c);
           top_step = std::max(top_step, f16(b.key_step[c]));
         }
-        if (b.bits == 4) steps[b.first + r] = codes * top_step;
+        if (b.bits == 4) steps[b.first + r] = codes * top_step / 254;
+        std::size_t blk = 1;  // the rotation's block
+        while (hs % (2 * blk) == 0) blk *= 2;
+        if (b.bits == 4)
+          vsteps[b.first + r] = f16(b.value_step[r]) * 15 *
+                                (b.signs != nullptr ? std::sqrt(static_cast<double>(blk)) : 1.0);
         rotated[b.first + r] = b.signs != nullptr;
         for (std::size_t c = 0; c < hs; ++c) {
           if (b.signs == nullptr) {
@@ -334,8 +380,6 @@ void decode_rows(const S& s, std::size_t l, std::size_t g, std::size_t end,
             continue;
           }
           // x = D H y / √blk, H[c][j] = (-1)^popcount(c & j) within blocks of blk channels.
-          std::size_t blk = 1;
-          while (hs % (2 * blk) == 0) blk *= 2;
           const std::size_t c0 = c / blk * blk;
           for (std::size_t j = c0; j < c0 + blk; ++j) {
             const double hcj = std::popcount((c - c0) & (j - c0)) % 2 == 0 ? 1.0 : -1.0;
@@ -383,12 +427,14 @@ void fill(const ModelConfig& cfg, S& s, std::size_t end, std::size_t chunk, std:
 /// attend_kv_head_coded with set ks, for n queries ending at cache index end - 1, against the
 /// double attention over decoded rows. The bound: a score errs by at most ε = (2·hs + 2·log2 hs
 /// + 12)·u·Σ|q k|/√hs (the sums of the kernel tests, the folded ranges and a rotation of the
-/// query), plus, for a 4-bit row in the avx512bf16 set, what rounding the folded query to int8
-/// costs: each channel's a = q·kstep moves by at most d/2, d = max|a|/127 ≤ max|q|·max kstep
-/// / 127 (max|q| of the rotated query, at most |q|₂, for a rotated row), so the score by d/2 ·
-/// Σ code / √hs; the probabilities then err relatively by at most e^{2ε} - 1 plus (end + 8)·u
+/// query), plus, in the avx512bf16 set, what rounding the query costs: for a 4-bit row each
+/// channel's a = q·kstep moves by at most d/2, d = max|a|/127 ≤ max|q|·max kstep / 127 (max|q|
+/// of the rotated query, at most |q|₂, for a rotated row), so the score by d/2 · Σ code / √hs;
+/// for an 8-bit row q moves by max|q| / 32766 a channel, the score by that · kstep · Σ code /
+/// √hs; the probabilities then err relatively by at most e^{2ε} - 1 plus (end + 8)·u
 /// for exp and the running sums, and the output, a convex mix of value rows with its own sum of
-/// end products, by that times max|v| plus (end + 2·log2 hs + 8)·u·max|v|.
+/// end products, by that times max|v| plus (end + 2·log2 hs + 8)·u·max|v|, plus in the
+/// avx512bf16 set what rounding an 8- or 4-bit block's weights costs (below).
 template <class S>
 void expect_attention_matches(const char* what, const ModelConfig& cfg, const S& s, std::size_t end,
                               std::size_t n, KernelSet ks) {
@@ -403,9 +449,10 @@ void expect_attention_matches(const char* what, const ModelConfig& cfg, const S&
   for (std::size_t l = 0; l < s.n_layers(); ++l) {
     for (std::size_t g = 0; g < s.n_kv_heads(); ++g) {
       detail::attend_kv_head_coded(cfg, s, l, g, end - n, n, q.data(), out.data(), scratch, 0, ks);
-      std::vector<double> keys, values, steps;
+      std::vector<double> keys, values, steps, vsteps;
       std::vector<bool> rotated;
-      decode_rows(s, l, g, end, keys, values, steps, rotated);
+      std::vector<std::size_t> blocks;
+      decode_rows(s, l, g, end, keys, values, steps, rotated, vsteps, blocks);
       double vmax = 0;
       for (const double x : values) vmax = std::max(vmax, std::abs(x));
       for (std::size_t j = 0; j < kv_mul; ++j) {
@@ -419,7 +466,7 @@ void expect_attention_matches(const char* what, const ModelConfig& cfg, const S&
             qnorm += double{qh[c]} * qh[c];
           }
           qnorm = std::sqrt(qnorm);
-          const bool int8_query = ks == KernelSet::kAvx512Bf16;
+          const bool rounded_query = ks == KernelSet::kAvx512Bf16;
           std::vector<double> score(visible);
           double smax = -1e300, emax = 0;
           for (std::size_t i = 0; i < visible; ++i) {
@@ -428,8 +475,9 @@ void expect_attention_matches(const char* what, const ModelConfig& cfg, const S&
               dot += qh[c] * keys[i * hs + c];
               mag += std::abs(qh[c] * keys[i * hs + c]);
             }
-            // The int8 query's d / 2, with room for the f32 roundings of a, 127 / max|a| and d.
-            const double half_d = int8_query ? (rotated[i] ? qnorm : qtop) / 254 * (1 + 1e-4) : 0;
+            // The rounded query's d / 2 per unit of steps[i], with room for the f32 roundings
+            // of a, 127 / max|a| (16383 / max|q|) and d.
+            const double half_d = rounded_query ? (rotated[i] ? qnorm : qtop) * (1 + 1e-4) : 0;
             score[i] = dot / std::sqrt(static_cast<double>(hs));
             smax = std::max(smax, score[i]);
             emax = std::max(emax, ((2 * static_cast<double>(hs) + 2 * log_hs + 12) * kUnit * mag +
@@ -439,8 +487,21 @@ void expect_attention_matches(const char* what, const ModelConfig& cfg, const S&
           double sum = 0;
           for (double& x : score) sum += (x = std::exp(x - smax));
           const double rel = std::expm1(2 * emax) + static_cast<double>(visible + 8) * kUnit;
+          // In the avx512bf16 set an 8- or 4-bit block's weights p · vstep are rounded to 15
+          // bits: each moves by at most max of the block's / 32766, times a code (vsteps), over
+          // the final sum of p (the kernel's p within e^{2ε} of these, its sum likewise).
+          double pv_round = 0;
+          for (std::size_t i = 0; rounded_query && i < visible;) {
+            std::size_t e = i;
+            double wmax = 0;
+            for (; e < visible && blocks[e] == blocks[i]; ++e)
+              wmax = std::max(wmax, score[e] * vsteps[e]);
+            pv_round += wmax / 32766 * 255 * static_cast<double>(e - i);
+            i = e;
+          }
+          pv_round *= std::exp(4 * emax) * (1 + 1e-4) / sum;
           const double bound =
-              (rel + (static_cast<double>(visible) + 2 * log_hs + 8) * kUnit) * vmax;
+              (rel + (static_cast<double>(visible) + 2 * log_hs + 8) * kUnit) * vmax + pv_round;
           for (std::size_t c = 0; c < hs; ++c) {
             double want = 0;
             for (std::size_t i = 0; i < visible; ++i) want += score[i] * values[i * hs + c];

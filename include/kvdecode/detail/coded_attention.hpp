@@ -1,9 +1,9 @@
 // Attention's two products for one query against one block of rows read in place, in the
 // run-time kernel sets of cpu.hpp: f32 rows (a decode step over a store of floats), and the
-// quantized stores' codes. The codes are widened to f32 in registers and
-// multiplied with the f32 query (or probabilities), the scales folded in after the sum, so no
-// row is dequantized into memory; only the 4-bit scores of the avx512bf16 set round the folded
-// query to int8 for integer dot products (q4_scores_vnni below):
+// quantized stores' codes. The codes are multiplied in registers, the scales folded in after
+// the sum, so no row is dequantized into memory: in the avx512 set widened to f32 against the
+// f32 query (or probabilities); in the avx512bf16 set in integer dot products (vpdpbusd)
+// against the query and the weights rounded once per call (the VNNI sections below):
 //   int8     s[r] = (kstep[r] · (q · code[r]) + kmin[r] · Σq) · scale
 //   low-bit  s[r] = (qm + qs · code[r]) · scale
 //            with qs = q ⊙ kstep, qm = q · kmin (the group's per-channel key range)
@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 
 #include "kvdecode/detail/cpu.hpp"
@@ -534,6 +535,291 @@ KVDECODE_TARGET_AVX512BF16 inline void q4_scores_vnni(float* s, const float* qs,
   }
 }
 
+// int8 scores with AVX512_VNNI (the avx512bf16 set): the query is rounded once to 15 bits,
+// i = round(q · (16383 / max|q|)), d = max|q| / 16383, and split as i = 128·hi + lo with hi in
+// [-128, 127] and lo in [0, 127], both int8, so Σ i · code = 128 Σ hi · code + Σ lo · code
+// comes from two vpdpbusd per 64 codes, exact in int32 up to kMaxVnniInt8HeadSize. Each
+// channel moves by at most d/2, 1/129 of a step of the 4-bit query above. Zero, infinite and
+// NaN maxima are handled as q4_query_vnni's. Layout of qv: qv[0] = d; from byte 64, per 64
+// channels, the 64 hi bytes, then the 64 lo bytes, 0 past hs.
+
+/// Largest head size whose Σ i · code stays in int32: hs · (128 · 255 · 128 + 127 · 255) < 2^31.
+inline constexpr std::size_t kMaxVnniInt8HeadSize = 256;
+
+/// Floats of int8_query_vnni's layout for head size hs.
+constexpr std::size_t int8_query_floats(std::size_t hs) { return 16 + (hs + 63) / 64 * 32; }
+
+/// Rounds and splits q [hs] for int8_scores_vnni into qv [int8_query_floats(hs)] (the layout
+/// above).
+KVDECODE_TARGET_AVX512BF16 inline void int8_query_vnni(float* qv, const float* q, std::size_t hs) {
+  __m512 amax = _mm512_setzero_ps();
+  __mmask16 nan = 0;  // max_ps passes over a NaN, so NaN lanes are noted apart
+  for (std::size_t c = 0; c < hs; c += 16) {
+    const __m512 qc = _mm512_maskz_loadu_ps(coded_mask16(hs - c), q + c);
+    nan = static_cast<__mmask16>(nan | _mm512_cmp_ps_mask(qc, qc, _CMP_UNORD_Q));
+    amax = _mm512_max_ps(amax, _mm512_abs_ps(qc));
+  }
+  float top = _mm512_reduce_max_ps(amax);
+  if (nan != 0) top = std::numeric_limits<float>::quiet_NaN();
+  const bool zero = !(top >= 0x1p-100f);  // (false for NaN, whose d stays NaN)
+  const __m512 inv = _mm512_set1_ps(zero || std::isinf(top) ? 0.0f : 16383.0f / top);
+  const __m512i low7 = _mm512_set1_epi32(127);
+  auto* const out = reinterpret_cast<std::int8_t*>(qv) + 64;  // [round_up(hs, 64) / 64][2][64]
+  for (std::size_t c = 0; c < (hs + 63) / 64 * 64; c += 16) {
+    const __mmask16 m = coded_mask16(hs > c ? hs - c : 0);
+    constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    const __m512i i =
+        _mm512_cvt_roundps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, q + c), inv), kNearest);
+    std::int8_t* const chunk = out + c / 64 * 128 + c % 64;
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(chunk),
+                     _mm512_cvtepi32_epi8(_mm512_srai_epi32(i, 7)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(chunk + 64),
+                     _mm512_cvtepi32_epi8(_mm512_and_si512(i, low7)));
+  }
+  qv[0] = zero && !std::isnan(top) ? 0.0f : top / 16383.0f;
+}
+
+/// Lane i of the result = the sum of the 16 int32 lanes of a[i] (reduce16_avx512 in integers).
+KVDECODE_TARGET_AVX512 inline __m512i reduce16_epi32_avx512(__m512i* a) {
+  __m512i t[8], u[4];
+  KVDECODE_UNROLL
+  for (int i = 0; i < 8; ++i)
+    t[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(a[2 * i], a[2 * i + 1]),
+                            _mm512_unpackhi_epi32(a[2 * i], a[2 * i + 1]));
+  KVDECODE_UNROLL
+  for (int i = 0; i < 4; ++i)
+    u[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(t[2 * i], t[2 * i + 1]),
+                            _mm512_unpackhi_epi64(t[2 * i], t[2 * i + 1]));
+  const __m512i w01 = _mm512_add_epi32(_mm512_shuffle_i32x4(u[0], u[1], 0x88),
+                                       _mm512_shuffle_i32x4(u[0], u[1], 0xDD));
+  const __m512i w23 = _mm512_add_epi32(_mm512_shuffle_i32x4(u[2], u[3], 0x88),
+                                       _mm512_shuffle_i32x4(u[2], u[3], 0xDD));
+  return _mm512_add_epi32(_mm512_shuffle_i32x4(w01, w23, 0x88),
+                          _mm512_shuffle_i32x4(w01, w23, 0xDD));
+}
+
+/// A row's 8-bit codes · the split query of int8_query_vnni (at qb, its byte 64), as 16 int32
+/// partial sums of Σ i · code.
+struct Int8RowDotVnni {
+  const std::uint8_t* qb;
+  std::size_t hs;
+  KVDECODE_TARGET_AVX512BF16 __m512i operator()(const std::uint8_t* row) const {
+    _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetchBytes, _MM_HINT_T0);
+    __m512i hi = _mm512_setzero_si512(), lo = _mm512_setzero_si512();
+    for (std::size_t c = 0; c < hs; c += 64) {
+      const std::size_t n = hs - c;
+      const __m512i x = n >= 64 ? _mm512_loadu_si512(row + c)
+                                : _mm512_maskz_loadu_epi8((__mmask64{1} << n) - 1, row + c);
+      hi = _mm512_dpbusd_epi32(hi, x, _mm512_loadu_si512(qb + 2 * c));
+      lo = _mm512_dpbusd_epi32(lo, x, _mm512_loadu_si512(qb + 2 * c + 64));
+    }
+    return _mm512_add_epi32(_mm512_slli_epi32(hi, 7), lo);
+  }
+};
+
+/// s [rows] = (kstep[r] · d · Σ_c i[c] · code[r][c] + kmin[r] · qsum) · scale, with d and i
+/// from int8_query_vnni in qv; hs ≤ kMaxVnniInt8HeadSize.
+KVDECODE_TARGET_AVX512BF16 inline void int8_scores_vnni(
+    float* s, const float* qv, float qsum, const std::uint8_t* codes, const std::uint16_t* kmin,
+    const std::uint16_t* kstep, std::size_t rows, std::size_t hs, float scale) {
+  const auto* const qb = reinterpret_cast<const std::uint8_t*>(qv) + 64;
+  const __m512 vd = _mm512_set1_ps(qv[0]), vq = _mm512_set1_ps(qsum), vs = _mm512_set1_ps(scale);
+  const Int8RowDotVnni dot{qb, hs};
+  for (std::size_t r0 = 0; r0 < rows; r0 += 16) {
+    const std::size_t count = rows - r0 < 16 ? rows - r0 : 16;
+    __m512i acc[16];
+    if (count == 16) {
+      KVDECODE_UNROLL
+      for (std::size_t i = 0; i < 16; ++i) acc[i] = dot(codes + (r0 + i) * hs);
+    } else {
+      for (std::size_t i = 0; i < 16; ++i)
+        acc[i] = i < count ? dot(codes + (r0 + i) * hs) : _mm512_setzero_si512();
+    }
+    const __mmask16 m = coded_mask16(count);
+    const __m512 sum = _mm512_mul_ps(_mm512_cvtepi32_ps(reduce16_epi32_avx512(acc)), vd);
+    _mm512_mask_storeu_ps(
+        s + r0, m,
+        _mm512_mul_ps(_mm512_fmadd_ps(sum, load_f16_avx512(kstep + r0, m),
+                                      _mm512_mul_ps(vq, load_f16_avx512(kmin + r0, m))),
+                      vs));
+  }
+}
+
+// p·v with AVX512_VNNI (the avx512bf16 set), 8- and 4-bit values: a tile's weights w[r] =
+// p[r] · vstep[r] are rounded to 15 bits as the query above, w ≈ d · (128·hi + lo), and each
+// channel's Σ_r code · (128·hi + lo) is summed in int32: 64 codes of 4 rows, one byte each, are
+// interleaved so that a dword lane holds one channel's 4 codes (vpunpck*), which vpdpbusd
+// multiplies with the 4 rows' hi (and lo) bytes. Exact up to kMaxVnniRows rows: rows · 255 ·
+// (127 · 128 + 127) < 2^31. Each weight moves by at most d/2 = max w / 32766.
+
+/// Most rows the VNNI p·v takes in one call.
+inline constexpr std::size_t kMaxVnniRows = 256;
+
+/// Rounds w = p [rows] · vstep [rows] (f16) into packs [round_up(rows, 16) / 2] (the hi bytes of
+/// the rows, then the lo bytes, 0 past rows), sets d, and returns Σ p · vmin.
+KVDECODE_TARGET_AVX512BF16 inline float vnni_weights(const float* p, const std::uint16_t* vmin,
+                                                     const std::uint16_t* vstep, std::size_t rows,
+                                                     float* packs, float& d) {
+  __m512 bias = _mm512_setzero_ps(), wmax = _mm512_setzero_ps();
+  __mmask16 nan = 0;
+  for (std::size_t r = 0; r < rows; r += 16) {
+    const __mmask16 m = coded_mask16(rows - r);
+    const __m512 pr = _mm512_maskz_loadu_ps(m, p + r);
+    const __m512 w = _mm512_mul_ps(pr, load_f16_avx512(vstep + r, m));
+    nan = static_cast<__mmask16>(nan | _mm512_cmp_ps_mask(w, w, _CMP_UNORD_Q));
+    wmax = _mm512_max_ps(wmax, _mm512_abs_ps(w));
+    bias = _mm512_fmadd_ps(pr, load_f16_avx512(vmin + r, m), bias);
+  }
+  float top = _mm512_reduce_max_ps(wmax);
+  if (nan != 0) top = std::numeric_limits<float>::quiet_NaN();
+  const bool zero = !(top >= 0x1p-100f);
+  const __m512 inv = _mm512_set1_ps(zero || std::isinf(top) ? 0.0f : 16383.0f / top);
+  d = zero && !std::isnan(top) ? 0.0f : top / 16383.0f;
+  const std::size_t padded = (rows + 15) / 16 * 16;
+  auto* const hi = reinterpret_cast<std::int8_t*>(packs);  // [padded], then lo [padded]
+  const __m512i low7 = _mm512_set1_epi32(127);
+  for (std::size_t r = 0; r < padded; r += 16) {
+    const __mmask16 m = coded_mask16(rows > r ? rows - r : 0);
+    const __m512 w = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, p + r), load_f16_avx512(vstep + r, m));
+    constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    const __m512i i = _mm512_cvt_roundps_epi32(_mm512_mul_ps(w, inv), kNearest);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + r),
+                     _mm512_cvtepi32_epi8(_mm512_srai_epi32(i, 7)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + padded + r),
+                     _mm512_cvtepi32_epi8(_mm512_and_si512(i, low7)));
+  }
+  return _mm512_reduce_add_ps(bias);
+}
+
+/// out [4] = d · Σ_r w[r] · codes(r), 16 byte positions each (out[m] the positions [16m,
+/// 16m + 16)), for the 64 byte codes codes(r) of each row r < rows, with the weights of
+/// vnni_weights in packs.
+template <class Codes>
+KVDECODE_TARGET_AVX512BF16 inline void vnni_pv_bytes(__m512* out, const float* packs,
+                                                     std::size_t rows, float d, Codes codes) {
+  const std::size_t padded = (rows + 15) / 16 * 16;
+  const auto* const hi = reinterpret_cast<const std::int8_t*>(packs);
+  __m512i ah[4], al[4];  // position 16L + 4k + j in dword j of 128-bit lane L of a*[k]
+  KVDECODE_UNROLL
+  for (int k = 0; k < 4; ++k) ah[k] = al[k] = _mm512_setzero_si512();
+  for (std::size_t r = 0; r < rows; r += 4) {
+    __m512i x[4];
+    KVDECODE_UNROLL
+    for (std::size_t u = 0; u < 4; ++u) x[u] = r + u < rows ? codes(r + u) : _mm512_setzero_si512();
+    const __m512i a = _mm512_unpacklo_epi8(x[0], x[1]), b = _mm512_unpackhi_epi8(x[0], x[1]);
+    const __m512i c = _mm512_unpacklo_epi8(x[2], x[3]), e = _mm512_unpackhi_epi8(x[2], x[3]);
+    const __m512i q[4] = {_mm512_unpacklo_epi16(a, c), _mm512_unpackhi_epi16(a, c),
+                          _mm512_unpacklo_epi16(b, e), _mm512_unpackhi_epi16(b, e)};
+    std::int32_t wh = 0, wl = 0;
+    std::memcpy(&wh, hi + r, sizeof wh);
+    std::memcpy(&wl, hi + padded + r, sizeof wl);
+    const __m512i vh = _mm512_set1_epi32(wh), vl = _mm512_set1_epi32(wl);
+    KVDECODE_UNROLL
+    for (int k = 0; k < 4; ++k) {
+      ah[k] = _mm512_dpbusd_epi32(ah[k], q[k], vh);
+      al[k] = _mm512_dpbusd_epi32(al[k], q[k], vl);
+    }
+  }
+  const __m512 vd = _mm512_set1_ps(d);
+  __m512 v[4];
+  KVDECODE_UNROLL
+  for (int k = 0; k < 4; ++k)
+    v[k] =
+        _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(ah[k], 7), al[k])), vd);
+  // Positions in order: 128-bit lane k of out[m] is lane m of v[k] (a 4 × 4 transpose).
+  const __m512 t0 = _mm512_shuffle_f32x4(v[0], v[1], 0x44);
+  const __m512 t1 = _mm512_shuffle_f32x4(v[0], v[1], 0xEE);
+  const __m512 t2 = _mm512_shuffle_f32x4(v[2], v[3], 0x44);
+  const __m512 t3 = _mm512_shuffle_f32x4(v[2], v[3], 0xEE);
+  out[0] = _mm512_shuffle_f32x4(t0, t2, 0x88);
+  out[1] = _mm512_shuffle_f32x4(t0, t2, 0xDD);
+  out[2] = _mm512_shuffle_f32x4(t1, t3, 0x88);
+  out[3] = _mm512_shuffle_f32x4(t1, t3, 0xDD);
+}
+
+/// dst [count ≤ 16] += x + bias.
+KVDECODE_TARGET_AVX512 inline void add_to_avx512(float* dst, std::size_t count, __m512 x,
+                                                 __m512 bias) {
+  const __mmask16 m = coded_mask16(count);
+  _mm512_mask_storeu_ps(dst, m,
+                        _mm512_add_ps(_mm512_maskz_loadu_ps(m, dst), _mm512_add_ps(x, bias)));
+}
+
+/// 64 channels' 8-bit codes [d0, d0 + 64) of a row (fewer under mask m, the rest 0).
+struct Int8Codes64 {
+  const std::uint8_t* codes;
+  std::size_t hs, d0;
+  __mmask64 m;
+  KVDECODE_TARGET_AVX512BF16 __m512i operator()(std::size_t r) const {
+    const std::uint8_t* row = codes + r * hs + d0;
+    _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetchBytes, _MM_HINT_T0);
+    return _mm512_maskz_loadu_epi8(m, row);
+  }
+};
+
+/// 64 channels' 4-bit codes of a row from its bytes [b0, b0 + 32) (fewer under mask m): the
+/// low nibbles (even channels) in bytes 0-31, the high nibbles (odd channels) in bytes 32-63.
+struct Q4Codes64 {
+  const std::uint8_t* codes;
+  std::size_t row_bytes, b0;
+  __mmask32 m;
+  KVDECODE_TARGET_AVX512BF16 __m512i operator()(std::size_t r) const {
+    const std::uint8_t* row = codes + r * row_bytes + b0;
+    _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetchBytes, _MM_HINT_T0);
+    const __m256i x = _mm256_maskz_loadu_epi8(m, row);
+    const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(x), _mm256_srli_epi16(x, 4), 1);
+    return _mm512_and_si512(both, _mm512_set1_epi8(0x0F));
+  }
+};
+
+/// o [hs] += Σ_r p [r] · (vmin [r] + vstep [r] · codes [r][hs]) (ranges f16) for rows ≤
+/// kMaxVnniRows; packs [round_up(rows, 16) / 2] is scratch.
+KVDECODE_TARGET_AVX512BF16 inline void int8_pv_vnni(float* o, const float* p,
+                                                    const std::uint8_t* codes,
+                                                    const std::uint16_t* vmin,
+                                                    const std::uint16_t* vstep, std::size_t rows,
+                                                    std::size_t hs, float* packs) {
+  float d = 0.0f;
+  const __m512 bias = _mm512_set1_ps(vnni_weights(p, vmin, vstep, rows, packs, d));
+  for (std::size_t d0 = 0; d0 < hs; d0 += 64) {
+    const std::size_t n = hs - d0 < 64 ? hs - d0 : 64;
+    const auto m = n == 64 ? ~__mmask64{0} : (__mmask64{1} << n) - 1;
+    __m512 out[4];
+    vnni_pv_bytes(out, packs, rows, d, Int8Codes64{codes, hs, d0, m});
+    for (std::size_t k = 0; 16 * k < n; ++k)
+      add_to_avx512(o + d0 + 16 * k, n - 16 * k, out[k], bias);
+  }
+}
+
+/// o [hs] += Σ_r p [r] · (vmin [r] + vstep [r] · 4-bit codes [r][hs / 2]) (ranges f16) for rows
+/// ≤ kMaxVnniRows; packs [round_up(rows, 16) / 2] is scratch.
+KVDECODE_TARGET_AVX512BF16 inline void q4_pv_vnni(float* o, const float* p,
+                                                  const std::uint8_t* codes,
+                                                  const std::uint16_t* vmin,
+                                                  const std::uint16_t* vstep, std::size_t rows,
+                                                  std::size_t hs, float* packs) {
+  float d = 0.0f;
+  const __m512 bias = _mm512_set1_ps(vnni_weights(p, vmin, vstep, rows, packs, d));
+  // Even channels e and odd ones o of 16 pairs into channels in order: (e0 o0 .. e7 o7), then
+  // (e8 o8 .. e15 o15).
+  const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i hi =
+      _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  const std::size_t row_bytes = hs / 2;
+  for (std::size_t b0 = 0; b0 < row_bytes; b0 += 32) {
+    const std::size_t n = row_bytes - b0 < 32 ? row_bytes - b0 : 32;  // bytes: 2n channels
+    const auto m = static_cast<__mmask32>(n == 32 ? ~0u : (1u << n) - 1u);
+    __m512 out[4];  // even channels of bytes [0, 16), [16, 32), then the odd ones
+    vnni_pv_bytes(out, packs, rows, d, Q4Codes64{codes, row_bytes, b0, m});
+    for (std::size_t k = 0; k < 2 && 16 * k < n; ++k) {
+      const std::size_t c = 2 * (b0 + 16 * k), left = hs - c;  // channels [c, c + 32)
+      add_to_avx512(o + c, left, _mm512_permutex2var_ps(out[k], lo, out[k + 2]), bias);
+      if (left > 16)
+        add_to_avx512(o + c + 16, left - 16, _mm512_permutex2var_ps(out[k], hi, out[k + 2]), bias);
+    }
+  }
+}
+
 /// w [rows] = p · vstep and returns Σ p · vmin (ranges f16).
 KVDECODE_TARGET_AVX512 inline float low_bit_weights_avx512(float* w, const float* p,
                                                            const std::uint16_t* vmin,
@@ -646,26 +932,46 @@ constexpr bool coded_attention_kernels(KernelSet ks) {
   return KVDECODE_X86_KERNELS && (ks == KernelSet::kAvx512 || ks == KernelSet::kAvx512Bf16);
 }
 
+/// Whether set ks rounds the query for 8-bit key codes (int8_query_vnni).
+constexpr bool int8_query_rounded(KernelSet ks, std::size_t hs) {
+  return KVDECODE_X86_KERNELS && ks == KernelSet::kAvx512Bf16 && hs <= kMaxVnniInt8HeadSize;
+}
+
+/// The query prepared once for coded_scores_int8 with the same set: in the sets that round it
+/// (int8_query_rounded), written to qv [int8_query_floats(hs)]; the others read q itself.
+inline void int8_query(KernelSet ks, float* qv, const float* q, std::size_t hs) {
+#if KVDECODE_X86_KERNELS
+  if (int8_query_rounded(ks, hs)) return int8_query_vnni(qv, q, hs);
+#endif
+  static_cast<void>(ks), static_cast<void>(qv), static_cast<void>(q), static_cast<void>(hs);
+}
+
 /// s [rows] = (kstep [r] · (q [hs] · codes [rows][hs]) + kmin [r] · qsum) · scale (ranges
-/// f16), with set ks; qsum = Σ q, computed once per query by the caller.
-inline void coded_scores_int8(KernelSet ks, float* s, const float* q, float qsum,
+/// f16), with set ks; qsum = Σ q and qv = int8_query(ks, .., q, hs), computed once per query by
+/// the caller.
+inline void coded_scores_int8(KernelSet ks, float* s, const float* q, const float* qv, float qsum,
                               const std::uint8_t* codes, const std::uint16_t* kmin,
                               const std::uint16_t* kstep, std::size_t rows, std::size_t hs,
                               float scale) {
 #if KVDECODE_X86_KERNELS
+  if (int8_query_rounded(ks, hs))
+    return int8_scores_vnni(s, qv, qsum, codes, kmin, kstep, rows, hs, scale);
   if (coded_attention_kernels(ks))
     return coded_scores_avx512(s, 0.0f, kmin, kstep, qsum, rows, scale, Int8RowDot{q, codes, hs});
 #endif
-  static_cast<void>(ks);
+  static_cast<void>(ks), static_cast<void>(qv);
   coded_scores_int8_portable(s, q, qsum, codes, kmin, kstep, rows, hs, scale);
 }
 
 /// o [hs] += Σ_r p [r] · (vmin [r] + vstep [r] · codes [r][hs]) (ranges f16), with set ks; w
-/// [rows] is scratch.
+/// [round_up(rows, 16)] is scratch. In the avx512bf16 set (up to kMaxVnniRows rows) the weights
+/// p · vstep are rounded to 15 bits for integer sums (int8_pv_vnni).
 inline void coded_pv_int8(KernelSet ks, float* o, const float* p, float* w,
                           const std::uint8_t* codes, const std::uint16_t* vmin,
                           const std::uint16_t* vstep, std::size_t rows, std::size_t hs) {
 #if KVDECODE_X86_KERNELS
+  if (ks == KernelSet::kAvx512Bf16 && rows <= kMaxVnniRows)
+    return int8_pv_vnni(o, p, codes, vmin, vstep, rows, hs, w);
   if (coded_attention_kernels(ks)) {
     const float bias = low_bit_weights_avx512(w, p, vmin, vstep, rows);
     return coded_pv_avx512<std::uint8_t, 1>(o, w, codes, rows, hs, bias, WidenInt8Avx512{});
@@ -709,6 +1015,8 @@ inline void coded_pv_low_bit(KernelSet ks, float* o, const float* p, float* w,
                              const std::uint8_t* codes, unsigned bits, const std::uint16_t* vmin,
                              const std::uint16_t* vstep, std::size_t rows, std::size_t hs) {
 #if KVDECODE_X86_KERNELS
+  if (ks == KernelSet::kAvx512Bf16 && bits == 4 && rows <= kMaxVnniRows)
+    return q4_pv_vnni(o, p, codes, vmin, vstep, rows, hs, w);
   if (coded_attention_kernels(ks) && bits == 4) {
     const float bias = low_bit_weights_avx512(w, p, vmin, vstep, rows);
     return q4_pv_avx512(o, w, codes, rows, hs, bias);

@@ -26,6 +26,11 @@
 
 namespace kvdecode {
 
+/// Up to this many queries (a decode step, a short speculative verification) attend to a
+/// CodedKvStore's codes directly; a longer prefill chunk decodes each block once into scratch
+/// and shares it among its queries through the matrix products.
+inline constexpr std::size_t kMaxCodedQueries = 4;
+
 /// Scratch of attention over up to max_queries queries on up to n_threads threads, allocated
 /// once so a decode step allocates nothing.
 template <class T>
@@ -49,7 +54,9 @@ struct AttentionScratch {
                         ? n_threads_ * static_cast<std::size_t>(cfg.head_size()) * kTile
                         : 0),
         gathered(n_threads_ * 2 * kTile * static_cast<std::size_t>(cfg.head_size())),
-        coded(n_threads_ * coded_size(static_cast<std::size_t>(cfg.head_size()))) {}
+        coded(n_threads_ * coded_size(static_cast<std::size_t>(cfg.head_size()))),
+        coded_queries(n_threads_ * kv_mul_ * std::min(max_queries, kMaxCodedQueries) *
+                      detail::int8_query_floats(static_cast<std::size_t>(cfg.head_size()))) {}
 
   /// Elements of one thread's coded-path scratch: the query folded with a group's ranges
   /// [round_up(head_size, 32)], the rotated query [head_size], a rotated block's value sum
@@ -77,6 +84,11 @@ struct AttentionScratch {
   T* thread_gathered(std::size_t t) { return gathered.data() + t * (gathered.size() / n_threads_); }
   /// Thread t's coded-path scratch [coded_size(head_size)].
   T* thread_coded(std::size_t t) { return coded.data() + t * (coded.size() / n_threads_); }
+  /// Thread t's queries prepared for 8-bit key codes (detail::int8_query), [kv_mul][up to
+  /// kMaxCodedQueries][int8_query_floats(head_size)].
+  T* thread_coded_queries(std::size_t t) {
+    return coded_queries.data() + t * (coded_queries.size() / n_threads_);
+  }
   std::size_t n_threads() const { return n_threads_; }
   std::size_t max_queries() const { return max_queries_; }
 
@@ -95,6 +107,7 @@ struct AttentionScratch {
   AlignedBuffer<T> packed_keys;  // [n_threads][head_size][kTile] or empty (Eigen's products)
   AlignedBuffer<T> gathered;     // [n_threads][2][kTile][head_size] a tile of several blocks' K, V
   AlignedBuffer<T> coded;        // [n_threads][coded_size(head_size)] (attention on codes)
+  AlignedBuffer<T> coded_queries;  // [n_threads][kv_mul][min(max_queries, kMaxCodedQueries)][..]
 };
 
 /// Below this many multiply-adds (queries × keys × head_size × heads) attention stays on one
@@ -137,11 +150,6 @@ inline bool online_softmax_row(T* row_data, std::size_t cols, T& m, T& l, T* o, 
 
 }  // namespace detail
 
-/// Up to this many queries (a decode step, a short speculative verification) attend to a
-/// CodedKvStore's codes directly; a longer prefill chunk decodes each block once into scratch
-/// and shares it among its queries through the matrix products.
-inline constexpr std::size_t kMaxCodedQueries = 4;
-
 /// Up to this many queries attend to f32 rows in place one query at a time, in the sets with
 /// coded_attention.hpp's kernels: a decode step reads each row once, so the rows stream from
 /// memory with their next lines requested ahead instead of through a GEMV. It is the few-token
@@ -182,6 +190,9 @@ void attend_kv_head_coded(const ModelConfig& cfg, const S& store, std::size_t la
   float* const qrot = qs + (hs + 31) / 32 * 32;  // [hs] the rotated query
   float* const acc = qrot + hs;                  // [hs] a rotated block's value sum
   float* const w = acc + hs;                     // [kTile] p · the rows' value steps
+  float* const qv_all = scratch.thread_coded_queries(t);  // [kv_mul][n][int8_query_floats]
+  const std::size_t qv_size = int8_query_floats(hs);
+  bool qv_ready = false;  // prepared at the first 8-bit block
   for (std::size_t j = 0; j < kv_mul; ++j) {
     for (std::size_t r = 0; r < n; ++r)
       std::fill_n(out + r * dim + (g * kv_mul + j) * hs, hs, 0.0f);
@@ -204,7 +215,7 @@ void attend_kv_head_coded(const ModelConfig& cfg, const S& store, std::size_t la
         if (first > qi) continue;  // every row in this query's future
         float* const srow = s_all + r * kTile;
         float* const o = out + r * dim + h * hs;
-        scores_of(srow, q + r * dim + h * hs, qsum_all[j * n + r]);
+        scores_of(srow, q + r * dim + h * hs, qsum_all[j * n + r], qv_all + (j * n + r) * qv_size);
         bool full = first + rows - 1 <= qi;
         if constexpr (MaskingKvStore<S>) full = false;
         if (!full)
@@ -226,11 +237,18 @@ void attend_kv_head_coded(const ModelConfig& cfg, const S& store, std::size_t la
       if constexpr (std::is_same_v<Block, Int8KvBlock>) {
         const std::uint8_t* keys = b.keys + r0 * hs;      // [rows][hs]
         const std::uint8_t* values = b.values + r0 * hs;  // [rows][hs]
+        if (!qv_ready) {
+          for (std::size_t j = 0; j < kv_mul; ++j)
+            for (std::size_t r = 0; r < n; ++r)
+              int8_query(ks, qv_all + (j * n + r) * qv_size, q + r * dim + (g * kv_mul + j) * hs,
+                         hs);
+          qv_ready = true;
+        }
         attend_rows(
             b.first + r0, rows,
-            [&](float* s, const float* qh, float qsum) {
-              coded_scores_int8(ks, s, qh, qsum, keys, b.key_min + r0, b.key_step + r0, rows, hs,
-                                scale);
+            [&](float* s, const float* qh, float qsum, const float* qv) {
+              coded_scores_int8(ks, s, qh, qv, qsum, keys, b.key_min + r0, b.key_step + r0, rows,
+                                hs, scale);
             },
             [&](float* o, const float* p) {
               coded_pv_int8(ks, o, p, w, values, b.value_min + r0, b.value_step + r0, rows, hs);
@@ -241,7 +259,7 @@ void attend_kv_head_coded(const ModelConfig& cfg, const S& store, std::size_t la
         const std::uint8_t* values = b.values + r0 * row_bytes;  // [rows][row_bytes]
         attend_rows(
             b.first + r0, rows,
-            [&](float* s, const float* qh, float) {
+            [&](float* s, const float* qh, float, const float*) {
               if (b.signs != nullptr) {
                 std::copy_n(qh, hs, qrot);
                 rotate_rows(qrot, 1, hs, b.signs, /*inverse=*/false);
@@ -266,7 +284,7 @@ void attend_kv_head_coded(const ModelConfig& cfg, const S& store, std::size_t la
         const float* values = b.values + r0 * b.stride;  // [rows][stride]
         attend_rows(
             b.first + r0, rows,
-            [&](float* s, const float* qh, float) {
+            [&](float* s, const float* qh, float, const float*) {
               f32_row_scores(ks, s, qh, keys, values, nullptr, b.stride, rows, hs, scale);
             },
             [&](float* o, const float* p) { f32_row_pv(ks, o, p, values, b.stride, rows, hs); });

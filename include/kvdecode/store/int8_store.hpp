@@ -18,6 +18,7 @@
 #include "kvdecode/aligned_buffer.hpp"
 #include "kvdecode/detail/cpu.hpp"
 #include "kvdecode/detail/f16.hpp"
+#include "kvdecode/detail/prefetch.hpp"
 #include "kvdecode/detail/quantize.hpp"
 #include "kvdecode/detail/store_sizes.hpp"
 #include "kvdecode/error.hpp"
@@ -177,6 +178,13 @@ class Int8Store {
     for (std::size_t r0 = 0; r0 < end; r0 += kBlockRows) {
       const std::size_t n = std::min(kBlockRows, end - r0);
       const std::size_t row = base + r0;
+      if (r0 + kBlockRows < end) {  // the next block's ranges, read a few lines at a time
+        const std::size_t next = std::min(kBlockRows, end - r0 - kBlockRows);
+        for (const std::uint16_t* at :
+             {key_ranges_.data() + row, key_ranges_.data() + rows_ + row,
+              value_ranges_.data() + row, value_ranges_.data() + rows_ + row})
+          detail::prefetch_bytes(at + kBlockRows, next * sizeof(std::uint16_t));
+      }
       sink(Int8KvBlock{keys_.data() + row * head_size_, values_.data() + row * head_size_,
                        key_ranges_.data() + row, key_ranges_.data() + rows_ + row,
                        value_ranges_.data() + row, value_ranges_.data() + rows_ + row, r0, n});

@@ -19,6 +19,7 @@
 #include "kvdecode/aligned_buffer.hpp"
 #include "kvdecode/detail/cpu.hpp"
 #include "kvdecode/detail/f16.hpp"
+#include "kvdecode/detail/prefetch.hpp"
 #include "kvdecode/detail/quantize.hpp"
 #include "kvdecode/detail/rotation.hpp"
 #include "kvdecode/detail/store_sizes.hpp"
@@ -346,6 +347,15 @@ class LowBitStore {
       const std::size_t n = std::min(group_, end - r0);
       if (g < quantized) {
         const std::size_t gi = group_base(layer, kv_head, g);
+        if (g + 1 < quantized) {  // the next group's ranges, read a few lines at a time
+          const std::size_t next = group_base(layer, kv_head, g + 1);
+          const std::size_t key_bytes = head_size_ * sizeof(std::uint16_t);
+          const std::size_t value_bytes = group_ * sizeof(std::uint16_t);
+          detail::prefetch_bytes(key_min_.data() + next * head_size_, key_bytes);
+          detail::prefetch_bytes(key_step_.data() + next * head_size_, key_bytes);
+          detail::prefetch_bytes(value_min_.data() + next * group_, value_bytes);
+          detail::prefetch_bytes(value_step_.data() + next * group_, value_bytes);
+        }
         sink(LowBitKvBlock{key_codes_.data() + gi * code_bytes,
                            value_codes_.data() + gi * code_bytes, key_min_.data() + gi * head_size_,
                            key_step_.data() + gi * head_size_, value_min_.data() + gi * group_,
