@@ -496,7 +496,7 @@ void expect_attention_matches(const char* what, const ModelConfig& cfg, const S&
             double wmax = 0;
             for (; e < visible && blocks[e] == blocks[i]; ++e)
               wmax = std::max(wmax, score[e] * vsteps[e]);
-            pv_round += wmax / 32766 * 255 * static_cast<double>(e - i);
+            pv_round += wmax / 32766 * static_cast<double>(e - i);
             i = e;
           }
           pv_round *= std::exp(4 * emax) * (1 + 1e-4) / sum;

@@ -425,6 +425,45 @@ KVDECODE_TARGET_AVX512 inline float q4_query_avx512(float* qs, const float* q,
   return _mm512_reduce_add_ps(qm);
 }
 
+/// Notes x in the running max |x| of its lanes, and its NaN lanes apart (max_ps passes over a
+/// NaN).
+KVDECODE_TARGET_AVX512 inline void track_abs_max(__m512 x, __m512& amax, __mmask16& nan) {
+  nan = static_cast<__mmask16>(nan | _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q));
+  amax = _mm512_max_ps(amax, _mm512_abs_ps(x));
+}
+
+/// How values of largest magnitude top = max|x| (track_abs_max's lanes) round to integers in
+/// [-levels, levels]: x · inv, then times d. A top below 2^-100 (where levels / top could
+/// overflow) counts as 0: inv = 0, d = 0; an infinite top gives inv = 0 and d = inf, a NaN one
+/// d = NaN, so the products with d are non-finite as the f32 kernels' would be.
+struct RoundingScale {
+  float inv, d;
+};
+KVDECODE_TARGET_AVX512 inline RoundingScale rounding_scale(__m512 amax, __mmask16 nan,
+                                                           float levels) {
+  float top = _mm512_reduce_max_ps(amax);
+  if (nan != 0) top = std::numeric_limits<float>::quiet_NaN();
+  const bool zero = !(top >= 0x1p-100f);  // (false for NaN)
+  return {zero || std::isinf(top) ? 0.0f : levels / top,
+          zero && !std::isnan(top) ? 0.0f : top / levels};
+}
+
+// Steps of summing the int32 lanes of several registers at once (reduce16_epi32_avx512 and
+// the 4-bit scores' two rows a register).
+
+/// Per 128-bit lane: dwords (a0 + a1, b0 + b1, a2 + a3, b2 + b3).
+KVDECODE_TARGET_AVX512 inline __m512i add_unpacked_epi32(__m512i a, __m512i b) {
+  return _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+}
+/// Per 128-bit lane: qwords (a0 + a1, b0 + b1), added as dword pairs.
+KVDECODE_TARGET_AVX512 inline __m512i add_unpacked_epi64(__m512i a, __m512i b) {
+  return _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b));
+}
+/// 128-bit blocks (a0 + a1, a2 + a3, b0 + b1, b2 + b3).
+KVDECODE_TARGET_AVX512 inline __m512i add_blocks_epi32(__m512i a, __m512i b) {
+  return _mm512_add_epi32(_mm512_shuffle_i32x4(a, b, 0x88), _mm512_shuffle_i32x4(a, b, 0xDD));
+}
+
 // 4-bit scores with AVX512_VNNI (the avx512bf16 set): the folded query a = q ⊙ kstep is
 // quantized once per group to int8, i = round(a · (127 / max|a|)) (to nearest, ties to even,
 // whatever the rounding mode), d = max|a| / 127, and each score is qm + d · Σ i · code, the sum
@@ -443,19 +482,15 @@ KVDECODE_TARGET_AVX512BF16 inline float q4_query_vnni(float* qs, const float* q,
   const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
   const std::size_t padded = (hs + 63) / 64 * 64;  // channels the int8 query covers
   __m512 qm = _mm512_setzero_ps(), amax = _mm512_setzero_ps();
-  __mmask16 nan = 0;  // max_ps passes over a NaN, so NaN lanes are noted apart
+  __mmask16 nan = 0;
   for (std::size_t c = 0; c < hs; c += 16) {
     const __mmask16 m = coded_mask16(hs - c);
     const __m512 qc = _mm512_maskz_loadu_ps(m, q + c);
     qm = _mm512_fmadd_ps(qc, load_f16_avx512(kmin + c, m), qm);
-    const __m512 a = _mm512_mul_ps(qc, load_f16_avx512(kstep + c, m));
-    nan = static_cast<__mmask16>(nan | _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q));
-    amax = _mm512_max_ps(amax, _mm512_abs_ps(a));
+    track_abs_max(_mm512_mul_ps(qc, load_f16_avx512(kstep + c, m)), amax, nan);
   }
-  float top = _mm512_reduce_max_ps(amax);
-  if (nan != 0) top = std::numeric_limits<float>::quiet_NaN();
-  const bool zero = !(top >= 0x1p-100f);  // (false for NaN, whose d stays NaN)
-  const __m512 inv = _mm512_set1_ps(zero || std::isinf(top) ? 0.0f : 127.0f / top);
+  const RoundingScale rs = rounding_scale(amax, nan, 127.0f);
+  const __m512 inv = _mm512_set1_ps(rs.inv);
   auto* const out = reinterpret_cast<std::int8_t*>(qs) + 64;  // [padded]
   for (std::size_t c = 0; c < padded; c += 32) {  // the products of [c, c + 32), 0 past hs
     const __mmask16 m0 = coded_mask16(hs > c ? hs - c : 0);
@@ -473,7 +508,7 @@ KVDECODE_TARGET_AVX512BF16 inline float q4_query_vnni(float* qs, const float* q,
     _mm_storeu_si128(reinterpret_cast<__m128i*>(chunk + 32),
                      _mm512_cvtsepi32_epi8(_mm512_permutex2var_epi32(i0, odd, i1)));
   }
-  qs[0] = zero && !std::isnan(top) ? 0.0f : top / 127.0f;
+  qs[0] = rs.d;
   return _mm512_reduce_add_ps(qm);
 }
 
@@ -520,15 +555,10 @@ KVDECODE_TARGET_AVX512BF16 inline void q4_scores_vnni(float* s, const float* qs,
     // Sum each 256-bit half: pairs of registers, then fours, then the halves' 128-bit blocks.
     __m512i t[4], u[2];
     KVDECODE_UNROLL
-    for (int k = 0; k < 4; ++k)
-      t[k] = _mm512_add_epi32(_mm512_unpacklo_epi32(acc[2 * k], acc[2 * k + 1]),
-                              _mm512_unpackhi_epi32(acc[2 * k], acc[2 * k + 1]));
+    for (int k = 0; k < 4; ++k) t[k] = add_unpacked_epi32(acc[2 * k], acc[2 * k + 1]);
     KVDECODE_UNROLL
-    for (int k = 0; k < 2; ++k)
-      u[k] = _mm512_add_epi32(_mm512_unpacklo_epi64(t[2 * k], t[2 * k + 1]),
-                              _mm512_unpackhi_epi64(t[2 * k], t[2 * k + 1]));
-    const __m512i z = _mm512_add_epi32(_mm512_shuffle_i32x4(u[0], u[1], 0x88),   // blocks 0, 2
-                                       _mm512_shuffle_i32x4(u[0], u[1], 0xDD));  // blocks 1, 3
+    for (int k = 0; k < 2; ++k) u[k] = add_unpacked_epi64(t[2 * k], t[2 * k + 1]);
+    const __m512i z = add_blocks_epi32(u[0], u[1]);  // blocks 0, 2 + blocks 1, 3
     const __m512 sums = _mm512_cvtepi32_ps(_mm512_permutexvar_epi32(order, z));
     _mm512_mask_storeu_ps(s + r0, coded_mask16(count),
                           _mm512_mul_ps(_mm512_fmadd_ps(sums, vd, vqm), vs));
@@ -553,16 +583,11 @@ constexpr std::size_t int8_query_floats(std::size_t hs) { return 16 + (hs + 63) 
 /// above).
 KVDECODE_TARGET_AVX512BF16 inline void int8_query_vnni(float* qv, const float* q, std::size_t hs) {
   __m512 amax = _mm512_setzero_ps();
-  __mmask16 nan = 0;  // max_ps passes over a NaN, so NaN lanes are noted apart
-  for (std::size_t c = 0; c < hs; c += 16) {
-    const __m512 qc = _mm512_maskz_loadu_ps(coded_mask16(hs - c), q + c);
-    nan = static_cast<__mmask16>(nan | _mm512_cmp_ps_mask(qc, qc, _CMP_UNORD_Q));
-    amax = _mm512_max_ps(amax, _mm512_abs_ps(qc));
-  }
-  float top = _mm512_reduce_max_ps(amax);
-  if (nan != 0) top = std::numeric_limits<float>::quiet_NaN();
-  const bool zero = !(top >= 0x1p-100f);  // (false for NaN, whose d stays NaN)
-  const __m512 inv = _mm512_set1_ps(zero || std::isinf(top) ? 0.0f : 16383.0f / top);
+  __mmask16 nan = 0;
+  for (std::size_t c = 0; c < hs; c += 16)
+    track_abs_max(_mm512_maskz_loadu_ps(coded_mask16(hs - c), q + c), amax, nan);
+  const RoundingScale rs = rounding_scale(amax, nan, 16383.0f);
+  const __m512 inv = _mm512_set1_ps(rs.inv);
   const __m512i low7 = _mm512_set1_epi32(127);
   auto* const out = reinterpret_cast<std::int8_t*>(qv) + 64;  // [round_up(hs, 64) / 64][2][64]
   for (std::size_t c = 0; c < (hs + 63) / 64 * 64; c += 16) {
@@ -576,26 +601,17 @@ KVDECODE_TARGET_AVX512BF16 inline void int8_query_vnni(float* qv, const float* q
     _mm_storeu_si128(reinterpret_cast<__m128i*>(chunk + 64),
                      _mm512_cvtepi32_epi8(_mm512_and_si512(i, low7)));
   }
-  qv[0] = zero && !std::isnan(top) ? 0.0f : top / 16383.0f;
+  qv[0] = rs.d;
 }
 
 /// Lane i of the result = the sum of the 16 int32 lanes of a[i] (reduce16_avx512 in integers).
 KVDECODE_TARGET_AVX512 inline __m512i reduce16_epi32_avx512(__m512i* a) {
   __m512i t[8], u[4];
   KVDECODE_UNROLL
-  for (int i = 0; i < 8; ++i)
-    t[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(a[2 * i], a[2 * i + 1]),
-                            _mm512_unpackhi_epi32(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 8; ++i) t[i] = add_unpacked_epi32(a[2 * i], a[2 * i + 1]);
   KVDECODE_UNROLL
-  for (int i = 0; i < 4; ++i)
-    u[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(t[2 * i], t[2 * i + 1]),
-                            _mm512_unpackhi_epi64(t[2 * i], t[2 * i + 1]));
-  const __m512i w01 = _mm512_add_epi32(_mm512_shuffle_i32x4(u[0], u[1], 0x88),
-                                       _mm512_shuffle_i32x4(u[0], u[1], 0xDD));
-  const __m512i w23 = _mm512_add_epi32(_mm512_shuffle_i32x4(u[2], u[3], 0x88),
-                                       _mm512_shuffle_i32x4(u[2], u[3], 0xDD));
-  return _mm512_add_epi32(_mm512_shuffle_i32x4(w01, w23, 0x88),
-                          _mm512_shuffle_i32x4(w01, w23, 0xDD));
+  for (int i = 0; i < 4; ++i) u[i] = add_unpacked_epi64(t[2 * i], t[2 * i + 1]);
+  return add_blocks_epi32(add_blocks_epi32(u[0], u[1]), add_blocks_epi32(u[2], u[3]));
 }
 
 /// A row's 8-bit codes · the split query of int8_query_vnni (at qb, its byte 64), as 16 int32
@@ -665,16 +681,12 @@ KVDECODE_TARGET_AVX512BF16 inline float vnni_weights(const float* p, const std::
   for (std::size_t r = 0; r < rows; r += 16) {
     const __mmask16 m = coded_mask16(rows - r);
     const __m512 pr = _mm512_maskz_loadu_ps(m, p + r);
-    const __m512 w = _mm512_mul_ps(pr, load_f16_avx512(vstep + r, m));
-    nan = static_cast<__mmask16>(nan | _mm512_cmp_ps_mask(w, w, _CMP_UNORD_Q));
-    wmax = _mm512_max_ps(wmax, _mm512_abs_ps(w));
+    track_abs_max(_mm512_mul_ps(pr, load_f16_avx512(vstep + r, m)), wmax, nan);
     bias = _mm512_fmadd_ps(pr, load_f16_avx512(vmin + r, m), bias);
   }
-  float top = _mm512_reduce_max_ps(wmax);
-  if (nan != 0) top = std::numeric_limits<float>::quiet_NaN();
-  const bool zero = !(top >= 0x1p-100f);
-  const __m512 inv = _mm512_set1_ps(zero || std::isinf(top) ? 0.0f : 16383.0f / top);
-  d = zero && !std::isnan(top) ? 0.0f : top / 16383.0f;
+  const RoundingScale rs = rounding_scale(wmax, nan, 16383.0f);
+  const __m512 inv = _mm512_set1_ps(rs.inv);
+  d = rs.d;
   const std::size_t padded = (rows + 15) / 16 * 16;
   auto* const hi = reinterpret_cast<std::int8_t*>(packs);  // [padded], then lo [padded]
   const __m512i low7 = _mm512_set1_epi32(127);
