@@ -323,12 +323,14 @@ TEST(CodedAttentionTest, LowBitNonFiniteRangesGiveNonFiniteScores) {
 /// Σ_c code[c] · kstep / 32766, else 0; rotated [end]: whether the row is rotated; vsteps
 /// [end]: for an 8- or 4-bit value row, its step times the largest code (and √b for a row
 /// rotated in blocks of b channels: what an error of e per rotated channel can become in one
-/// channel), else 0; blocks [end]: the first row of each row's block.
+/// channel), else 0; blocks [end]: the first row of each row's block; group_min, group_step
+/// [end]: for an unrotated 4-bit key row, its group's f16 ranges [hs], else null.
 template <class S>
 void decode_rows(const S& s, std::size_t l, std::size_t g, std::size_t end,
                  std::vector<double>& keys, std::vector<double>& values, std::vector<double>& steps,
                  std::vector<bool>& rotated, std::vector<double>& vsteps,
-                 std::vector<std::size_t>& blocks) {
+                 std::vector<std::size_t>& blocks, std::vector<const std::uint16_t*>& group_min,
+                 std::vector<const std::uint16_t*>& group_step) {
   const std::size_t hs = s.head_size();
   keys.assign(end * hs, 0.0);
   values.assign(end * hs, 0.0);
@@ -336,6 +338,8 @@ void decode_rows(const S& s, std::size_t l, std::size_t g, std::size_t end,
   rotated.assign(end, false);
   vsteps.assign(end, 0.0);
   blocks.assign(end, 0);
+  group_min.assign(end, nullptr);
+  group_step.assign(end, nullptr);
   s.for_each_coded_block(l, g, end, [&](const auto& b) {
     using B = std::remove_cvref_t<decltype(b)>;
     for (std::size_t r = 0; r < b.n; ++r) {
@@ -373,6 +377,10 @@ void decode_rows(const S& s, std::size_t l, std::size_t g, std::size_t end,
           vsteps[b.first + r] = f16(b.value_step[r]) * 15 *
                                 (b.signs != nullptr ? std::sqrt(static_cast<double>(blk)) : 1.0);
         rotated[b.first + r] = b.signs != nullptr;
+        if (b.bits == 4 && b.signs == nullptr) {
+          group_min[b.first + r] = b.key_min;
+          group_step[b.first + r] = b.key_step;
+        }
         for (std::size_t c = 0; c < hs; ++c) {
           if (b.signs == nullptr) {
             k[c] = kr[c];
@@ -452,7 +460,10 @@ void expect_attention_matches(const char* what, const ModelConfig& cfg, const S&
       std::vector<double> keys, values, steps, vsteps;
       std::vector<bool> rotated;
       std::vector<std::size_t> blocks;
-      decode_rows(s, l, g, end, keys, values, steps, rotated, vsteps, blocks);
+      std::vector<const std::uint16_t*> group_min, group_step;
+      decode_rows(s, l, g, end, keys, values, steps, rotated, vsteps, blocks, group_min,
+                  group_step);
+      std::vector<float> folded(hs);  // an unrotated 4-bit row's q ⊙ kstep, as the kernel folds it
       double vmax = 0;
       for (const double x : values) vmax = std::max(vmax, std::abs(x));
       for (std::size_t j = 0; j < kv_mul; ++j) {
@@ -471,13 +482,35 @@ void expect_attention_matches(const char* what, const ModelConfig& cfg, const S&
           double smax = -1e300, emax = 0;
           for (std::size_t i = 0; i < visible; ++i) {
             double dot = 0, mag = 0;
-            for (std::size_t c = 0; c < hs; ++c) {
-              dot += qh[c] * keys[i * hs + c];
-              mag += std::abs(qh[c] * keys[i * hs + c]);
-            }
             // The rounded query's d / 2 per unit of steps[i], with room for the f32 roundings
             // of a, 127 / max|a| (16383 / max|q|) and d.
-            const double half_d = rounded_query ? (rotated[i] ? qnorm : qtop) * (1 + 1e-4) : 0;
+            double half_d = rounded_query ? (rotated[i] ? qnorm : qtop) * (1 + 1e-4) : 0;
+            if (rounded_query && group_step[i] != nullptr) {
+              // An unrotated 4-bit row's score with the folded query rounded as §1 gives it (a =
+              // q ⊙ kstep in f32, i = round(a · 127 / max|a|), d = max|a| / 127): the sum of
+              // the kernel, so only its f32 rounding is left to bound.
+              float top = 0.0f;
+              for (std::size_t c = 0; c < hs; ++c) {
+                folded[c] = qh[c] * static_cast<float>(f16(group_step[i][c]));
+                top = std::max(top, std::abs(folded[c]));
+              }
+              const bool zero = !(top >= 0x1p-100f);
+              const float inv = zero ? 0.0f : 127.0f / top, d = zero ? 0.0f : top / 127.0f;
+              for (std::size_t c = 0; c < hs; ++c) {
+                const double kmin = f16(group_min[i][c]), kstep = f16(group_step[i][c]);
+                const double code =
+                    kstep > 0 ? std::nearbyint((keys[i * hs + c] - kmin) / kstep) : 0.0;
+                const double qi = std::nearbyint(folded[c] * inv);
+                dot += qh[c] * kmin + double{d} * qi * code;
+                mag += std::abs(qh[c] * kmin) + std::abs(double{d} * qi * code);
+              }
+              half_d = 0;
+            } else {
+              for (std::size_t c = 0; c < hs; ++c) {
+                dot += qh[c] * keys[i * hs + c];
+                mag += std::abs(qh[c] * keys[i * hs + c]);
+              }
+            }
             score[i] = dot / std::sqrt(static_cast<double>(hs));
             smax = std::max(smax, score[i]);
             emax = std::max(emax, ((2 * static_cast<double>(hs) + 2 * log_hs + 12) * kUnit * mag +
