@@ -435,13 +435,14 @@ void fill(const ModelConfig& cfg, S& s, std::size_t end, std::size_t chunk, std:
 /// attend_kv_head_coded with set ks, for n queries ending at cache index end - 1, against the
 /// double attention over decoded rows. The bound: a score errs by at most ε = (2·hs + 2·log2 hs
 /// + 12)·u·Σ|q k|/√hs (the sums of the kernel tests, the folded ranges and a rotation of the
-/// query), plus, in the avx512bf16 set, what rounding the query costs: for a 4-bit row each
-/// channel's a = q·kstep moves by at most d/2, d = max|a|/127 ≤ max|q|·max kstep / 127 (max|q|
-/// of the rotated query, at most |q|₂, for a rotated row), so the score by d/2 · Σ code / √hs;
-/// for an 8-bit row q moves by max|q| / 32766 a channel, the score by that · kstep · Σ code /
-/// √hs; the probabilities then err relatively by at most e^{2ε} - 1 plus (end + 8)·u
-/// for exp and the running sums, and the output, a convex mix of value rows with its own sum of
-/// end products, by that times max|v| plus (end + 2·log2 hs + 8)·u·max|v|, plus in the
+/// query), plus, in the avx512bf16 set, what rounding the query costs: an unrotated 4-bit
+/// row's score is taken with the folded query rounded as the kernel rounds it (nothing to
+/// add); for a rotated one each channel's a = q·kstep moves by at most d/2, d = max|a|/127 ≤
+/// max|q|·max kstep / 127 (max|q| of the rotated query, at most |q|₂), so the score by d/2 ·
+/// Σ code / √hs; for an 8-bit row q moves by max|q| / 32766 a channel, the score by that ·
+/// kstep · Σ code / √hs; the probabilities then err relatively by at most e^{2ε} - 1 plus (end +
+/// 8)·u for exp and the running sums, and the output, a convex mix of value rows with its own sum
+/// of end products, by that times max|v| plus (end + 2·log2 hs + 8)·u·max|v|, plus in the
 /// avx512bf16 set what rounding an 8- or 4-bit block's weights costs (below).
 template <class S>
 void expect_attention_matches(const char* what, const ModelConfig& cfg, const S& s, std::size_t end,
