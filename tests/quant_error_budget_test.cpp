@@ -106,14 +106,24 @@ void copy_rows(const ContiguousStore<float>& c, std::size_t n, S& s) {
 // element, each score of query head h moves by at most δ = max_t Σ_i |q_i| e_k(t, i) / √hs, so
 // every softmax weight by a factor within e^{±2δ} and Σ_t |p̂_t - p_t| ≤ e^{2δ} - 1. As Σ_t (p̂_t -
 // p_t) = 0, output channel i moves by at most (e^{2δ} - 1) · (max_t v_ti - min_t v_ti) / 2 +
-// max_t e_v(t, i). With int8_query (4-bit keys in the avx512bf16 set) the folded query q ⊙
-// kstep is rounded to int8 first (kstep ≤ 2 e_k): each of a score's hs terms moves by at most
-// max_i |q_i kstep_i| / 254 times a code ≤ 15 more.
+// max_t e_v(t, i). The avx512bf16 set's integer products (§1) add, with steps ≤ 2 e:
+// - 4-bit keys: the folded query q ⊙ kstep is rounded to int8, so each of a score's hs terms
+//   moves by at most max_i |q_i kstep_i| / 254 times a code ≤ 15 more;
+// - 8-bit keys: q is rounded to 15 bits, each term by at most max_i |q_i| / 32766 · kstep times
+//   a code ≤ 255;
+// - p·v: a tile's weights p · vstep are rounded to 15 bits, which moves the output by at most
+//   max vstep · the largest code · the tile's rows / 32766.
+struct VnniRounding {
+  unsigned key_bits = 0;  // 4 or 8: the scores round the query so; 0: f32 scores
+  double code_max = 0;    // the values' largest code where p·v rounds its weights, else 0
+  std::size_t tile = 0;   // rows of a tile whose weights are rounded together
+};
+
 template <class S>
 void expect_attention_within_bound(const char* name,
                                    ElementBounds (*bounds)(const ContiguousStore<float>&,
                                                            std::size_t, std::size_t, std::size_t),
-                                   bool int8_query = false) {
+                                   VnniRounding vnni = {}) {
   const Model<float> model(load_checkpoint(kFixture));
   const ModelConfig cfg = model.config();
   const std::size_t n_ctx = 120, hs = static_cast<std::size_t>(cfg.head_size());
@@ -142,12 +152,15 @@ void expect_attention_within_bound(const char* name,
           const float* qh = q.data() + r * dim + h * hs;
           double delta = 0;
           for (std::size_t t = 0; t < visible; ++t) {
-            double d = 0, top = 0;
+            double d = 0, top = 0, qtop = 0, step = 0;
             for (std::size_t i = 0; i < hs; ++i) {
               d += std::abs(double{qh[i]}) * e.key[t * hs + i];
               top = std::max(top, std::abs(double{qh[i]}) * 2 * e.key[t * hs + i]);
+              qtop = std::max(qtop, std::abs(double{qh[i]}));
+              step = std::max(step, 2 * e.key[t * hs + i]);
             }
-            if (int8_query) d += top / 254 * 15 * static_cast<double>(hs);
+            if (vnni.key_bits == 4) d += top / 254 * 15 * static_cast<double>(hs);
+            if (vnni.key_bits == 8) d += qtop / 32766 * step * 255 * static_cast<double>(hs);
             delta = std::max(delta, d / std::sqrt(static_cast<double>(hs)));
           }
           for (std::size_t i = 0; i < hs; ++i) {
@@ -158,7 +171,8 @@ void expect_attention_within_bound(const char* name,
               ev = std::max(ev, e.value[t * hs + i]);
             }
             // f32 arithmetic of the two attention runs: 1e-5 relative to the value range.
-            const double bound = std::expm1(2 * delta) * (hi - lo) / 2 + ev +
+            const double pv = 2 * ev * vnni.code_max * static_cast<double>(vnni.tile) / 32766;
+            const double bound = std::expm1(2 * delta) * (hi - lo) / 2 + ev + pv +
                                  1e-5 * (1 + std::abs(lo) + std::abs(hi));
             const double err =
                 std::abs(double{out_q[r * dim + h * hs + i]} - double{out_f[r * dim + h * hs + i]});
@@ -174,7 +188,10 @@ void expect_attention_within_bound(const char* name,
 }
 
 TEST(QuantErrorBudgetTest, Int8AttentionOutputWithinTheDerivedBound) {
-  expect_attention_within_bound<Int8Store<float>>("int8", int8_bounds);
+  const bool vnni = active_kernel_set() == KernelSet::kAvx512Bf16;
+  expect_attention_within_bound<Int8Store<float>>(
+      "int8", int8_bounds,
+      vnni ? VnniRounding{8, 255, Int8Store<float>::kBlockRows} : VnniRounding{});
 }
 
 // No residual window and no rotation: the bound above is per element of unrotated rows.
@@ -184,8 +201,9 @@ struct Q4Group32 : Q4Store<float> {
 };
 
 TEST(QuantErrorBudgetTest, Q4AttentionOutputWithinTheDerivedBound) {
+  const bool vnni = active_kernel_set() == KernelSet::kAvx512Bf16;
   expect_attention_within_bound<Q4Group32>("q4", q4_bounds,
-                                           active_kernel_set() == KernelSet::kAvx512Bf16);
+                                           vnni ? VnniRounding{4, 15, kGroup} : VnniRounding{});
 }
 
 // --- Logits ---------------------------------------------------------------------------------
