@@ -58,9 +58,11 @@ float uniform(detail::SplitMix64& rng) {
 struct Shape {
   std::size_t hs, rows;
 };
-constexpr Shape kShapes[] = {{16, 1},  {16, 17},  {48, 64}, {48, 15}, {64, 16},
-                             {64, 70}, {128, 33}, {40, 9},  {24, 31}, {8, 3},
-                             {96, 20}, {80, 7},   {6, 4},   {4, 5},   {2, 3}};
+// The last two pass the VNNI kernels' limits (kMaxVnniInt8HeadSize, kMaxVnniRows), where the
+// avx512bf16 set takes the f32 kernels.
+constexpr Shape kShapes[] = {{16, 1},   {16, 17}, {48, 64}, {48, 15}, {64, 16}, {64, 70},
+                             {128, 33}, {40, 9},  {24, 31}, {8, 3},   {96, 20}, {80, 7},
+                             {6, 4},    {4, 5},   {2, 3},   {288, 5}, {16, 260}};
 
 /// The weight of each row's value codes, p[r] · vstep[r], as the avx512bf16 set's p·v takes it
 /// when `rounded`: to 15 bits of the largest, d · round(w · (16383 / max w)), d = max w / 16383,
@@ -107,7 +109,7 @@ TEST(CodedAttentionTest, Int8KernelsMatchTheFormula) {
                                 kstep.data(), rows, hs, scale);
       // The avx512bf16 set's scores take the query rounded to 15 bits: i = round(q · (16383 /
       // max|q|)), d = max|q| / 16383, each step in f32 as written; Σ i · code is exact.
-      const bool rounded = ks == KernelSet::kAvx512Bf16;
+      const bool rounded = ks == KernelSet::kAvx512Bf16 && hs <= detail::kMaxVnniInt8HeadSize;
       std::vector<double> qr(q.begin(), q.end());
       if (rounded) {
         float top = 0.0f;
@@ -134,7 +136,8 @@ TEST(CodedAttentionTest, Int8KernelsMatchTheFormula) {
       const std::vector<float> o0 = o;
       detail::coded_pv_int8(ks, o.data(), p.data(), w.data(), vc.data(), vmin.data(), vstep.data(),
                             rows, hs);
-      const std::vector<double> pw = code_weights(p, vstep, rounded);
+      const std::vector<double> pw =
+          code_weights(p, vstep, ks == KernelSet::kAvx512Bf16 && rows <= detail::kMaxVnniRows);
       for (std::size_t c = 0; c < hs; ++c) {
         double want = o0[c], mag = std::abs(double{o0[c]});
         for (std::size_t r = 0; r < rows; ++r) {
@@ -145,6 +148,38 @@ TEST(CodedAttentionTest, Int8KernelsMatchTheFormula) {
             << kernel_set_name(ks) << " hs " << hs << " rows " << rows << " channel " << c;
       }
     }
+}
+
+// The VNNI kernels' int32 sums at their largest: every code 255 and every rounded query
+// channel or weight at ±16383, head size kMaxVnniInt8HeadSize and kMaxVnniRows rows. A sum that
+// overflowed would be off by 2^32, not by rounding.
+TEST(CodedAttentionTest, IntegerSumsHoldAtTheirLimits) {
+  for (const KernelSet ks : supported_sets()) {
+    const std::size_t hs = detail::kMaxVnniInt8HeadSize, rows = 16;
+    const std::vector<float> q(hs, -1.0f);
+    const std::vector<std::uint8_t> kc(rows * hs, 255);
+    const std::vector<std::uint16_t> zero(rows, detail::f16_from_float(0.0f)),
+        one(rows, detail::f16_from_float(1.0f));
+    std::vector<float> qv(detail::int8_query_floats(hs)), s(rows);
+    detail::int8_query(ks, qv.data(), q.data(), hs);
+    detail::coded_scores_int8(ks, s.data(), q.data(), qv.data(), -static_cast<float>(hs), kc.data(),
+                              zero.data(), one.data(), rows, hs, 1.0f);
+    for (const float x : s)
+      ASSERT_NEAR(x, -255.0 * static_cast<double>(hs), 1e-6 * 255 * static_cast<double>(hs))
+          << kernel_set_name(ks);
+
+    const std::size_t n = detail::kMaxVnniRows, ch = 16;
+    const std::vector<float> p(n, 1.0f);
+    const std::vector<std::uint8_t> vc(n * ch, 255);
+    const std::vector<std::uint16_t> vmin(n, detail::f16_from_float(0.0f)),
+        vstep(n, detail::f16_from_float(1.0f));
+    std::vector<float> w((n + 15) / 16 * 16), o(ch, 0.0f);
+    detail::coded_pv_int8(ks, o.data(), p.data(), w.data(), vc.data(), vmin.data(), vstep.data(), n,
+                          ch);
+    for (const float x : o)
+      ASSERT_NEAR(x, 255.0 * static_cast<double>(n), 1e-6 * 255 * static_cast<double>(n))
+          << kernel_set_name(ks);
+  }
 }
 
 // f32 rows in place (a decode step over a store of floats), with a row stride past head_size
@@ -263,7 +298,7 @@ TEST(CodedAttentionTest, LowBitKernelsMatchTheFormula) {
         detail::coded_pv_low_bit(ks, o.data(), p.data(), w.data(), vc.data(), bits, vmin.data(),
                                  vstep.data(), rows, hs);
         // The avx512bf16 set's 4-bit p·v rounds the weights as the 8-bit one.
-        const std::vector<double> pw = code_weights(p, vstep, vnni);
+        const std::vector<double> pw = code_weights(p, vstep, vnni && rows <= detail::kMaxVnniRows);
         for (std::size_t c = 0; c < hs; ++c) {
           double want = o0[c], mag = std::abs(double{o0[c]});
           for (std::size_t r = 0; r < rows; ++r) {

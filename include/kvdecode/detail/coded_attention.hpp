@@ -108,6 +108,18 @@ inline void f32_row_pv_portable(float* o, const float* p, const float* values, s
     for (std::size_t c = 0; c < hs; ++c) o[c] += p[r] * values[r * stride + c];
 }
 
+// Sizes of the VNNI kernels below, which every set's callers size their scratch and choose by.
+
+/// Largest head size whose Σ i · code stays in int32 in int8_scores_vnni: hs · (128 · 255 ·
+/// 128 + 127 · 255) < 2^31.
+inline constexpr std::size_t kMaxVnniInt8HeadSize = 256;
+
+/// Floats of int8_query_vnni's layout for head size hs.
+constexpr std::size_t int8_query_floats(std::size_t hs) { return 16 + (hs + 63) / 64 * 32; }
+
+/// Most rows the VNNI p·v takes in one call.
+inline constexpr std::size_t kMaxVnniRows = 256;
+
 #if KVDECODE_X86_KERNELS
 KVDECODE_INTRINSICS_BEGIN
 
@@ -573,12 +585,6 @@ KVDECODE_TARGET_AVX512BF16 inline void q4_scores_vnni(float* s, const float* qs,
 // NaN maxima are handled as q4_query_vnni's. Layout of qv: qv[0] = d; from byte 64, per 64
 // channels, the 64 hi bytes, then the 64 lo bytes, 0 past hs.
 
-/// Largest head size whose Σ i · code stays in int32: hs · (128 · 255 · 128 + 127 · 255) < 2^31.
-inline constexpr std::size_t kMaxVnniInt8HeadSize = 256;
-
-/// Floats of int8_query_vnni's layout for head size hs.
-constexpr std::size_t int8_query_floats(std::size_t hs) { return 16 + (hs + 63) / 64 * 32; }
-
 /// Rounds and splits q [hs] for int8_scores_vnni into qv [int8_query_floats(hs)] (the layout
 /// above).
 KVDECODE_TARGET_AVX512BF16 inline void int8_query_vnni(float* qv, const float* q, std::size_t hs) {
@@ -667,9 +673,6 @@ KVDECODE_TARGET_AVX512BF16 inline void int8_scores_vnni(
 // interleaved so that a dword lane holds one channel's 4 codes (vpunpck*), which vpdpbusd
 // multiplies with the 4 rows' hi (and lo) bytes. Exact up to kMaxVnniRows rows: rows · 255 ·
 // (127 · 128 + 127) < 2^31. Each weight moves by at most d/2 = max w / 32766.
-
-/// Most rows the VNNI p·v takes in one call.
-inline constexpr std::size_t kMaxVnniRows = 256;
 
 /// Rounds w = p [rows] · vstep [rows] (f16) into packs [round_up(rows, 16) / 2] (the hi bytes of
 /// the rows, then the lo bytes, 0 past rows), sets d, and returns Σ p · vmin.
@@ -1022,7 +1025,8 @@ inline void coded_scores_low_bit(KernelSet ks, float* s, const float* qs, float 
 }
 
 /// o [hs] += Σ_r p [r] · (vmin [r] + vstep [r] · codes [r]) (ranges f16), with set ks; w
-/// [rows] is scratch.
+/// [round_up(rows, 16)] is scratch. In the avx512bf16 set 4-bit weights are rounded as
+/// coded_pv_int8's (q4_pv_vnni).
 inline void coded_pv_low_bit(KernelSet ks, float* o, const float* p, float* w,
                              const std::uint8_t* codes, unsigned bits, const std::uint16_t* vmin,
                              const std::uint16_t* vstep, std::size_t rows, std::size_t hs) {

@@ -60,7 +60,7 @@ struct AttentionScratch {
 
   /// Elements of one thread's coded-path scratch: the query folded with a group's ranges
   /// [round_up(head_size, 32)], the rotated query [head_size], a rotated block's value sum
-  /// [head_size] and a tile's value weights [kTile].
+  /// [head_size] and a tile's value weights [kTile] (or their 15-bit split, which needs less).
   static constexpr std::size_t coded_size(std::size_t head_size) {
     return (head_size + 31) / 32 * 32 + 2 * head_size + kTile;
   }
