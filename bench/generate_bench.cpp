@@ -8,6 +8,7 @@
 #endif
 #include <benchmark/benchmark.h>
 
+#include <cmath>
 #include <cstdint>
 #include <span>
 #include <vector>
@@ -64,6 +65,30 @@ BENCHMARK_CAPTURE(BM_Generate, cached, true)
     ->Apply(token_range)
     ->Repetitions(kvdecode::bench::reps(3));
 BENCHMARK_CAPTURE(BM_Generate, uncached, false)->Apply(token_range)->Iterations(1);
+
+// BM_Sample: one draw of the Sampler with the generator's default sampling (temperature 0.8,
+// top-p 0.9) from logits of vocab_size Gaussian values (sd 2.5, 16 rows in turn), as every
+// sampled token of generate() pays it after the model's step.
+void BM_Sample(benchmark::State& state) {
+  const auto vocab = static_cast<std::size_t>(state.range(0));
+  std::vector<std::vector<float>> logits(16, std::vector<float>(vocab));  // [16][vocab]
+  detail::SplitMix64 rng(vocab);
+  for (auto& row : logits)
+    for (float& x : row) {  // Box-Muller from two uniforms in (0, 1]
+      const double u1 = (static_cast<double>(rng.next() >> 11) + 1.0) * 0x1.0p-53;
+      const double u2 = static_cast<double>(rng.next() >> 11) * 0x1.0p-53;
+      x = static_cast<float>(2.5 * std::sqrt(-2.0 * std::log(u1)) *
+                             std::cos(6.283185307179586 * u2));
+    }
+  Sampler sampler(static_cast<std::int64_t>(vocab), SamplerOptions{0.8, 0.9, 0, 1});
+  std::size_t i = 0;
+  for (auto _ : state) {
+    benchmark::DoNotOptimize(sampler.sample(std::span<const float>(logits[i])));
+    i = (i + 1) % logits.size();
+  }
+  state.SetItemsProcessed(state.iterations());  // draws/s
+}
+BENCHMARK(BM_Sample)->ArgName("vocab")->Arg(4096)->Arg(32000)->Unit(benchmark::kMicrosecond);
 
 }  // namespace
 

@@ -5,10 +5,12 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
+#include <random>
 #include <span>
 #include <sstream>
 #include <string>
@@ -156,6 +158,72 @@ TEST(SamplerTest, TopPBelowOneOverNOnAFlatDistributionKeepsTheFirstCandidate) {
   EXPECT_EQ(kept.count, 1u);
   EXPECT_EQ(order[0], 0);
   EXPECT_EQ(kept.mass, 0.5);
+}
+
+// top_k_top_p sorts only the most likely candidates, as many as the cut can need. Against the
+// rule written out here (every candidate sorted, the running sum walked in that order), over
+// flat to peaked distributions, with ties, every top-p from tiny to 1 and several k: the same
+// candidates, in the same order, and the same mass to the last bit.
+template <class P>
+void expect_cut_as_full_sort(std::size_t n, double spread, bool ties, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<double> normal(0.0, spread);
+  std::vector<P> probs(n);
+  double z = 0;
+  std::vector<double> w(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    double l = normal(rng);
+    if (ties) l = std::round(l * 2) / 2;  // a few distinct values, many equal probabilities
+    w[i] = std::exp(l);
+    z += w[i];
+  }
+  for (std::size_t i = 0; i < n; ++i) probs[i] = static_cast<P>(w[i] / z);
+  for (const double top_p : {1e-6, 0.1, 0.5, 0.9, 0.95, 0.999, 0.99999, 1.0}) {
+    for (const std::size_t k : {n, std::size_t{1}, std::size_t{40}, std::size_t{500}, n - 1}) {
+      if (k == 0) continue;
+      const P p = static_cast<P>(top_p);
+      // The rule: candidates at or above (1 - p) / (n - 1) (all when none is), sorted by
+      // probability then index, cut after the k-th and after the running sum first exceeds p.
+      const P cutoff = p < P(1) && n > 1 ? (P(1) - p) / static_cast<P>(n - 1) : P(0);
+      std::vector<std::int32_t> all;
+      for (std::size_t i = 0; i < n; ++i)
+        if (probs[i] >= cutoff) all.push_back(static_cast<std::int32_t>(i));
+      if (all.empty())
+        for (std::size_t i = 0; i < n; ++i) all.push_back(static_cast<std::int32_t>(i));
+      std::sort(all.begin(), all.end(), [&](std::int32_t a, std::int32_t b) {
+        return probs[static_cast<std::size_t>(a)] > probs[static_cast<std::size_t>(b)] ||
+               (probs[static_cast<std::size_t>(a)] == probs[static_cast<std::size_t>(b)] && a < b);
+      });
+      std::size_t count = std::min(k, all.size());
+      P mass = 0;
+      for (std::size_t i = 0; i < std::min(k, all.size()); ++i) {
+        mass += probs[static_cast<std::size_t>(all[i])];
+        if (mass > p) {
+          count = i + 1;
+          break;
+        }
+      }
+      std::vector<std::int32_t> order(n, -1);
+      const auto kept =
+          detail::top_k_top_p(std::span<const P>(probs), k, p, std::span<std::int32_t>(order));
+      const std::string what = "n " + std::to_string(n) + " spread " + std::to_string(spread) +
+                               (ties ? " ties" : "") + " top_p " + std::to_string(top_p) + " k " +
+                               std::to_string(k);
+      ASSERT_EQ(kept.count, count) << what;
+      ASSERT_EQ(kept.mass, mass) << what;
+      for (std::size_t i = 0; i < count; ++i) ASSERT_EQ(order[i], all[i]) << what << " rank " << i;
+    }
+  }
+}
+
+TEST(SamplerTest, TopPCutEqualsTheFullSortBitForBit) {
+  std::uint64_t seed = 1;
+  for (const std::size_t n : {2u, 3u, 50u, 129u, 1000u, 4096u, 32000u})
+    for (const double spread : {0.01, 0.5, 1.0, 2.0, 4.0, 10.0})
+      for (const bool ties : {false, true}) {
+        expect_cut_as_full_sort<float>(n, spread, ties, ++seed);
+        expect_cut_as_full_sort<double>(n, spread, ties, ++seed);
+      }
 }
 
 TEST(SamplerTest, TopKKeepsTheKMostLikely) {

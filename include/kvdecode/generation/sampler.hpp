@@ -7,10 +7,13 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <numeric>
 #include <span>
 #include <vector>
 
+#include "kvdecode/detail/cpu.hpp"
+#include "kvdecode/detail/softmax_exp.hpp"
 #include "kvdecode/error.hpp"
 
 namespace kvdecode {
@@ -50,6 +53,36 @@ class XorShiftRng {
 
 namespace detail {
 
+/// For top_k_top_p: moves the K most likely of the m candidates in order [m] to its front
+/// (unsorted) and returns K, the least of 128 × 4^j and limit for which the running sum of the K
+/// in sorted order certainly exceeds top_p (or limit). That running sum c_K is computed in P and
+/// falls short of the exact sum s by at most γ_K s (Higham's γ_K = K u / (1 − K u), u the unit
+/// roundoff of P); the sum S below, in double, exceeds s by at most γ_m s, so S (1 − γ_K) / (1 +
+/// γ_m) > top_p proves c_K > top_p (K + 4 and m + 4 cover the rounding of the test itself).
+template <class P, class Less>
+std::size_t nucleus_prefix(std::span<const P> probs, std::span<std::int32_t> order,
+                           std::size_t limit, P top_p, Less less) {
+  const std::size_t m = order.size();
+  const double u = std::numeric_limits<P>::epsilon() / 2;
+  const double u_sum = std::numeric_limits<double>::epsilon() / 2;
+  const auto gamma = [](double n, double unit) { return n * unit / (1.0 - n * unit); };
+  const double sum_slack = 1.0 + gamma(static_cast<double>(m + 4), u_sum);
+  double sum = 0;  // of probs[order[0..k)]
+  std::size_t begin = 0;
+  std::size_t k = std::min<std::size_t>(limit, 128);
+  for (;;) {
+    if (k < m)
+      std::nth_element(order.begin() + static_cast<std::ptrdiff_t>(begin),
+                       order.begin() + static_cast<std::ptrdiff_t>(k), order.end(), less);
+    for (std::size_t i = begin; i < k; ++i) sum += probs[static_cast<std::size_t>(order[i])];
+    if (k == limit ||
+        sum * (1.0 - gamma(static_cast<double>(k + 4), u)) / sum_slack > static_cast<double>(top_p))
+      return k;
+    begin = k;
+    k = std::min(limit, 4 * k);
+  }
+}
+
 /// The candidates top-k then top-p keep (run.c sample_topp()), for probabilities P = float (the
 /// Sampler, as run.c) or double (speculative decoding's exact distribution): candidates below
 /// (1 - top_p) / (n - 1) dropped first (the others hold more than top_p, unless all n are below
@@ -79,15 +112,19 @@ KeptCandidates<P> top_k_top_p(std::span<const P> probs, std::size_t k, P top_p,
     const P pb = probs[static_cast<std::size_t>(b)];
     return pa > pb || (pa == pb && a < b);
   };
+  // Only the candidates up to where the running sum passes top_p need their order, usually a
+  // small share of them. Select the K most likely (nth_element), K growing 4× while their sum
+  // could still fall short of top_p, then sort those K alone. (probability, index) is a strict
+  // order, so they are the first K of the full sort and the cut below is the full sort's.
   const std::size_t keep_k = std::min(k, m);
-  std::partial_sort(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(keep_k),
-                    order.begin() + static_cast<std::ptrdiff_t>(m), by_prob);
+  const std::size_t sorted = nucleus_prefix(probs, order.first(m), keep_k, top_p, by_prob);
+  std::sort(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(sorted), by_prob);
   P cumulative = 0;
-  for (std::size_t i = 0; i < keep_k; ++i) {
+  for (std::size_t i = 0; i < sorted; ++i) {
     cumulative += probs[static_cast<std::size_t>(order[i])];
     if (cumulative > top_p) return {i + 1, cumulative};
   }
-  return {keep_k, cumulative};
+  return {sorted, cumulative};
 }
 
 }  // namespace detail
@@ -161,16 +198,16 @@ class Sampler {
   template <class T>
   std::int32_t sample_from(std::span<const T> logits) {
     if (options_.temperature == 0.0) return argmax(logits);
-    // softmax(logits / temperature), as run.c: subtract the max, exp, normalise.
+    // softmax(logits / temperature), as run.c: subtract the max, exp, normalise. The exp is the
+    // kernel set's vector one (softmax_exp.hpp, within 4 · 2⁻²⁴ of exp in double), not a libm
+    // call per vocabulary entry; run.c's expf differs from it by about 1e-7 of a probability.
     const float inv_t = static_cast<float>(1.0 / options_.temperature);
     float max_l = -INFINITY;
-    for (std::size_t i = 0; i < logits.size(); ++i)
-      max_l = std::max(max_l, static_cast<float>(logits[i]) * inv_t);
-    float sum = 0.0f;
     for (std::size_t i = 0; i < logits.size(); ++i) {
-      probs_[i] = std::exp(static_cast<float>(logits[i]) * inv_t - max_l);
-      sum += probs_[i];
+      probs_[i] = static_cast<float>(logits[i]) * inv_t;
+      max_l = std::max(max_l, probs_[i]);
     }
+    const float sum = detail::softmax_exp(active_kernel_set(), probs_.data(), probs_.size(), max_l);
     for (float& p : probs_) p /= sum;
     if (options_.min_p > 0.0) {
       // Drop every token below min_p × the largest probability, then renormalise.
