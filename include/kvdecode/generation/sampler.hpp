@@ -101,8 +101,10 @@ KeptCandidates<P> top_k_top_p(std::span<const P> probs, std::size_t k, P top_p,
   const std::size_t n = probs.size();
   const P cutoff = top_p < P(1) && n > 1 ? (P(1) - top_p) / static_cast<P>(n - 1) : P(0);
   std::size_t m = 0;
-  for (std::size_t i = 0; i < n; ++i)
-    if (probs[i] >= cutoff) order[m++] = static_cast<std::int32_t>(i);
+  for (std::size_t i = 0; i < n; ++i) {  // no branch: whether one is taken is the data's
+    order[m] = static_cast<std::int32_t>(i);
+    m += probs[i] >= cutoff ? 1 : 0;
+  }
   // With top_p < 1/n a flat distribution can leave every candidate below the cutoff (run.c then
   // indexes before its array): all of them stay candidates.
   if (m == 0)
@@ -202,11 +204,14 @@ class Sampler {
     // kernel set's vector one (softmax_exp.hpp, within 4 · 2⁻²⁴ of exp in double), not a libm
     // call per vocabulary entry; run.c's expf differs from it by about 1e-7 of a probability.
     const float inv_t = static_cast<float>(1.0 / options_.temperature);
-    float max_l = -INFINITY;
-    for (std::size_t i = 0; i < logits.size(); ++i) {
+    for (std::size_t i = 0; i < logits.size(); ++i)
       probs_[i] = static_cast<float>(logits[i]) * inv_t;
-      max_l = std::max(max_l, probs_[i]);
-    }
+    // The largest, NaNs skipped as std::max(m, x) skips them, in vector registers.
+    const float max_l = probs_.empty()
+                            ? -INFINITY
+                            : Eigen::Map<const Eigen::VectorXf>(
+                                  probs_.data(), static_cast<Eigen::Index>(probs_.size()))
+                                  .maxCoeff<Eigen::PropagateNumbers>();
     const float sum = detail::softmax_exp(active_kernel_set(), probs_.data(), probs_.size(), max_l);
     for (float& p : probs_) p /= sum;
     if (options_.min_p > 0.0) {
