@@ -21,6 +21,7 @@
 #include <memory>
 #include <vector>
 
+#include "in_turns.hpp"
 #include "kvdecode/kvdecode.hpp"
 
 namespace {
@@ -36,11 +37,6 @@ const Model<float>& bundled_model() {
   static const Model<float> model(
       load_model<float>(std::string(KVDECODE_MODEL_DIR) + "/kjv_tiny.bin").weights);
   return model;
-}
-
-double median_of(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
 }
 
 /// The workload's prompts: one random system prompt, then a random question per request.
@@ -115,17 +111,10 @@ void BM_EngineInterleaved(benchmark::State& state) {
     for (const auto& o : out) tokens += o.size();
     return static_cast<double>(tokens) / seconds;
   };
-  std::vector<double> tb, t1, ratio;
-  for (auto _ : state) {
-    const double a = timed(one);
-    const double b = timed(batched);
-    t1.push_back(a);
-    tb.push_back(b);
-    ratio.push_back(b / a);
-  }
-  state.counters["batched_tok_s"] = median_of(tb);
-  state.counters["one_tok_s"] = median_of(t1);
-  state.counters["batched/one"] = median_of(ratio);
+  bench::in_turns(
+      state, "one_tok_s", [&] { return timed(one); }, "batched_tok_s",
+      [&] { return timed(batched); }, "batched/one",
+      [](double lone, double batch) { return batch / lone; });
 }
 BENCHMARK(BM_EngineInterleaved)
     ->ArgName("threads")

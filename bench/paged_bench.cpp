@@ -32,11 +32,14 @@
 #include <string>
 #include <vector>
 
+#include "in_turns.hpp"
 #include "kvdecode/kvdecode.hpp"
 
 namespace {
 
 using namespace kvdecode;
+using kvdecode::bench::in_turns;
+using kvdecode::bench::median_of;
 
 // The examples' demo model (serve_batch runs the same shape and weights).
 ModelConfig bench_config() { return demo_config(); }
@@ -48,12 +51,6 @@ const Model<float>& bench_model() {
 
 /// The fastest repetition: on a machine shared with other work the least disturbed one.
 double min_of(const std::vector<double>& v) { return *std::min_element(v.begin(), v.end()); }
-
-/// The upper median of v (not empty).
-double median_of(std::vector<double> v) {
-  std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2), v.end());
-  return v[v.size() / 2];
-}
 
 std::vector<std::int32_t> bench_tokens(std::size_t n, std::uint64_t seed) {
   detail::SplitMix64 rng(seed);
@@ -447,17 +444,9 @@ void BM_DecodeBatchInterleaved(benchmark::State& state) {
     }
     return median_of(ms);
   };
-  std::vector<double> t1, t16, ratio;
-  for (auto _ : state) {
-    const double a = turn(one);
-    const double b = turn(sixteen);
-    t1.push_back(a);
-    t16.push_back(b);
-    ratio.push_back(16 * a / b);
-  }
-  state.counters["B1_ms"] = median_of(t1);
-  state.counters["B16_ms"] = median_of(t16);
-  state.counters["B16/B1_tok_s"] = median_of(ratio);
+  in_turns(
+      state, "B1_ms", [&] { return turn(one); }, "B16_ms", [&] { return turn(sixteen); },
+      "B16/B1_tok_s", [](double b1, double b16) { return 16 * b1 / b16; });
 }
 // Args: shape (0 = 15M, 1 = 42M), threads.
 BENCHMARK(BM_DecodeBatchInterleaved)
