@@ -11,7 +11,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <span>
-#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -184,77 +183,54 @@ TEST(CodedAttentionTest, IntegerSumsHoldAtTheirLimits) {
 }
 
 // f32 rows in place (a decode step over a store of floats), with a row stride past head_size
-// as a store's rows may have, for the query heads of one kv head together (1 to 5: up to 4 run
-// at once, so 5 takes two groups). Scores: a sum of hs products, then the scale. p·v: o plus a
-// sum of rows products, and the sum over rows [0, rows) equals the sum over [0, b) then
-// [b, rows) bit for bit (one chain per channel in row order), which is what lets a paged
-// table's blocks give a contiguous store's attention. Each head's results are the same bits
-// whether it comes alone or with others.
+// as a store's rows may have. Scores: a sum of hs products, then the scale. p·v: o plus a sum of
+// rows products, and the sum over rows [0, rows) equals the sum over [0, b) then [b, rows) bit
+// for bit (one chain per channel in row order), which is what lets a paged table's blocks give
+// a contiguous store's attention.
 TEST(CodedAttentionTest, F32RowKernelsMatchTheFormula) {
   for (const KernelSet ks : supported_sets())
-    for (const Shape sh : kShapes)
-      for (const std::size_t heads : {1u, 2u, 3u, 5u}) {
-        detail::SplitMix64 rng(sh.hs * 97 + sh.rows + heads);
-        const std::size_t hs = sh.hs, rows = sh.rows, stride = hs + 3, ps = rows + 5;
-        std::vector<float> q(heads * hs), p(heads * ps), keys(rows * stride), values(rows * stride);
-        for (float& x : q) x = uniform(rng);
-        for (float& x : p) x = std::abs(uniform(rng));
-        for (float& x : keys) x = uniform(rng);
-        for (float& x : values) x = uniform(rng);
-        const float scale = 0.3f;
-        const std::string what = std::string(kernel_set_name(ks)) + " hs " + std::to_string(hs) +
-                                 " rows " + std::to_string(rows) + " heads " +
-                                 std::to_string(heads);
-        std::vector<float> s(heads * ps, -1.0f);
-        const float* next = sh.rows % 2 == 0 ? values.data() : nullptr;
-        detail::f32_row_scores(ks, s.data(), ps, q.data(), heads, keys.data(), values.data(), next,
-                               stride, rows, hs, scale);
-        for (std::size_t j = 0; j < heads; ++j) {
-          for (std::size_t r = 0; r < rows; ++r) {
-            double dot = 0, mag = 0;
-            for (std::size_t c = 0; c < hs; ++c) {
-              dot += double{q[j * hs + c]} * keys[r * stride + c];
-              mag += std::abs(double{q[j * hs + c]} * keys[r * stride + c]);
-            }
-            ASSERT_NEAR(s[j * ps + r], dot * scale,
-                        static_cast<double>(hs + 2) * kUnit * mag * scale)
-                << what << " head " << j << " row " << r;
-          }
-          ASSERT_EQ(s[j * ps + rows], -1.0f) << what << ": wrote past its rows";
-          std::vector<float> alone(rows);
-          detail::f32_row_scores(ks, alone.data(), rows, q.data() + j * hs, 1, keys.data(),
-                                 values.data(), next, stride, rows, hs, scale);
-          ASSERT_TRUE(std::equal(alone.begin(), alone.end(), s.begin() + j * ps))
-              << what << " head " << j << ": not the bits of the head alone";
+    for (const Shape sh : kShapes) {
+      detail::SplitMix64 rng(sh.hs * 97 + sh.rows);
+      const std::size_t hs = sh.hs, rows = sh.rows, stride = hs + 3;
+      std::vector<float> q(hs), p(rows), keys(rows * stride), values(rows * stride);
+      for (float& x : q) x = uniform(rng);
+      for (float& x : p) x = std::abs(uniform(rng));
+      for (float& x : keys) x = uniform(rng);
+      for (float& x : values) x = uniform(rng);
+      const float scale = 0.3f;
+      std::vector<float> s(rows, -1.0f);
+      detail::f32_row_scores(ks, s.data(), q.data(), keys.data(), values.data(),
+                             sh.rows % 2 == 0 ? values.data() : nullptr, stride, rows, hs, scale);
+      for (std::size_t r = 0; r < rows; ++r) {
+        double dot = 0, mag = 0;
+        for (std::size_t c = 0; c < hs; ++c) {
+          dot += double{q[c]} * keys[r * stride + c];
+          mag += std::abs(double{q[c]} * keys[r * stride + c]);
         }
-        std::vector<float> o(heads * hs);
-        for (float& x : o) x = uniform(rng);
-        const std::vector<float> o0 = o;
-        detail::f32_row_pv(ks, o.data(), p.data(), ps, heads, values.data(), stride, rows, hs);
-        for (std::size_t j = 0; j < heads; ++j) {
-          for (std::size_t c = 0; c < hs; ++c) {
-            double want = o0[j * hs + c], mag = std::abs(want);
-            for (std::size_t r = 0; r < rows; ++r) {
-              want += double{p[j * ps + r]} * values[r * stride + c];
-              mag += std::abs(double{p[j * ps + r]} * values[r * stride + c]);
-            }
-            ASSERT_NEAR(o[j * hs + c], want, static_cast<double>(2 * rows + 2) * kUnit * mag)
-                << what << " head " << j << " channel " << c;
-          }
-          std::vector<float> alone(o0.begin() + static_cast<std::ptrdiff_t>(j * hs),
-                                   o0.begin() + static_cast<std::ptrdiff_t>((j + 1) * hs));
-          detail::f32_row_pv(ks, alone.data(), p.data() + j * ps, ps, 1, values.data(), stride,
-                             rows, hs);
-          ASSERT_TRUE(std::equal(alone.begin(), alone.end(), o.begin() + j * hs))
-              << what << " head " << j << ": not the bits of the head alone";
-        }
-        const std::size_t b = rows / 3;
-        std::vector<float> split = o0;
-        detail::f32_row_pv(ks, split.data(), p.data(), ps, heads, values.data(), stride, b, hs);
-        detail::f32_row_pv(ks, split.data(), p.data() + b, ps, heads, values.data() + b * stride,
-                           stride, rows - b, hs);
-        ASSERT_EQ(split, o) << what << " split at " << b;
+        ASSERT_NEAR(s[r], dot * scale, static_cast<double>(hs + 2) * kUnit * mag * scale)
+            << kernel_set_name(ks) << " hs " << hs << " row " << r;
       }
+      std::vector<float> o(hs);
+      for (float& x : o) x = uniform(rng);
+      const std::vector<float> o0 = o;
+      detail::f32_row_pv(ks, o.data(), p.data(), values.data(), stride, rows, hs);
+      for (std::size_t c = 0; c < hs; ++c) {
+        double want = o0[c], mag = std::abs(double{o0[c]});
+        for (std::size_t r = 0; r < rows; ++r) {
+          want += double{p[r]} * values[r * stride + c];
+          mag += std::abs(double{p[r]} * values[r * stride + c]);
+        }
+        ASSERT_NEAR(o[c], want, static_cast<double>(2 * rows + 2) * kUnit * mag)
+            << kernel_set_name(ks) << " hs " << hs << " rows " << rows << " channel " << c;
+      }
+      const std::size_t b = rows / 3;
+      std::vector<float> split = o0;
+      detail::f32_row_pv(ks, split.data(), p.data(), values.data(), stride, b, hs);
+      detail::f32_row_pv(ks, split.data(), p.data() + b, values.data() + b * stride, stride,
+                         rows - b, hs);
+      ASSERT_EQ(split, o) << kernel_set_name(ks) << " hs " << hs << " rows " << rows << " split at "
+                          << b;
+    }
 }
 
 TEST(CodedAttentionTest, LowBitKernelsMatchTheFormula) {

@@ -870,10 +870,17 @@ struct F32RowDot {
   std::size_t stride;
   std::size_t hs;
   std::size_t distance;  // kF32PrefetchBytes in rows, at least 1
-  bool prefetch;         // false: an earlier head's pass over these rows requested them
   KVDECODE_TARGET_AVX512 __m512 operator()(std::size_t r) const {
     const float* row = keys + r * stride;
-    if (prefetch) request(r);
+    const std::size_t ahead = r + distance;
+    const char* pf = reinterpret_cast<const char*>(ahead < rows || next == nullptr
+                                                       ? keys + ahead * stride
+                                                       : next + std::min(ahead - rows, r) * stride);
+    const char* value = reinterpret_cast<const char*>(values + r * stride);
+    for (std::size_t b = 0; b < hs * sizeof(float); b += 64) {
+      _mm_prefetch(pf + b, _MM_HINT_T0);
+      _mm_prefetch(value + b, _MM_HINT_T1);
+    }
     __m512 a = _mm512_setzero_ps();
     std::size_t c = 0;
     for (; c + 16 <= hs; c += 16)
@@ -884,115 +891,48 @@ struct F32RowDot {
     }
     return a;
   }
-  KVDECODE_TARGET_AVX512 void request(std::size_t r) const {
-    const std::size_t ahead = r + distance;
-    const char* pf = reinterpret_cast<const char*>(ahead < rows || next == nullptr
-                                                       ? keys + ahead * stride
-                                                       : next + std::min(ahead - rows, r) * stride);
-    const char* value = reinterpret_cast<const char*>(values + r * stride);
-    for (std::size_t b = 0; b < hs * sizeof(float); b += 64) {
-      _mm_prefetch(pf + b, _MM_HINT_T0);
-      _mm_prefetch(value + b, _MM_HINT_T1);
-    }
-  }
 };
 
-/// s [heads][s_stride] (first rows of each) = q_j [hs] · keys [rows][stride] · scale for the
-/// query heads j of one kv head, q_j = q + j · hs, head after head: the first head's pass
-/// requests the lines ahead, and the others find the rows in cache.
-KVDECODE_TARGET_AVX512 inline void f32_row_scores_avx512(float* s, std::size_t s_stride,
-                                                         const float* q, std::size_t heads,
-                                                         const float* keys, const float* values,
-                                                         const float* next, std::size_t stride,
-                                                         std::size_t rows, std::size_t hs,
-                                                         float scale) {
-  const std::size_t distance = (kF32PrefetchBytes / sizeof(float) + stride - 1) / stride;
-  for (std::size_t j = 0; j < heads; ++j)
-    coded_scores_avx512(
-        s + j * s_stride, 0.0f, nullptr, nullptr, 0.0f, rows, scale,
-        F32RowDot{q + j * hs, keys, values, next, rows, stride, hs, distance, j == 0});
-}
-
-/// o_h [hs] channels [d0, d0 + 16·J) += Σ_r p_h[r] · v[r] [stride] for H query heads h of one
-/// kv head (o_h = o + h · hs, p_h = p + h · p_stride), one multiply-add chain per head and
-/// channel from o_h's value, rows in order: each value row is loaded once for the H heads, whose
-/// chains interleave (a single chain waits on its own latency).
-template <int J, int H>
-KVDECODE_TARGET_AVX512 inline void f32_pv_chunk_avx512(float* o, const float* p,
-                                                       std::size_t p_stride, const float* v,
+/// o [hs] channels [d0, d0 + 16·J) += Σ_r p[r] · v[r] [stride], one multiply-add chain per
+/// channel from o's value, rows in order (a row arrives from memory slower than a chain step).
+template <int J>
+KVDECODE_TARGET_AVX512 inline void f32_pv_chunk_avx512(float* o, const float* p, const float* v,
                                                        std::size_t stride, std::size_t rows,
                                                        std::size_t hs, std::size_t d0) {
   __mmask16 m[J];
-  __m512 acc[H][J];
+  __m512 acc[J];
   KVDECODE_UNROLL
-  for (int j = 0; j < J; ++j) m[j] = coded_mask16(hs - d0 - 16 * static_cast<std::size_t>(j));
-  KVDECODE_UNROLL
-  for (int h = 0; h < H; ++h) KVDECODE_UNROLL
-  for (int j = 0; j < J; ++j)
-    acc[h][j] = _mm512_maskz_loadu_ps(
-        m[j], o + static_cast<std::size_t>(h) * hs + d0 + 16 * static_cast<std::size_t>(j));
+  for (int j = 0; j < J; ++j) {
+    m[j] = coded_mask16(hs - d0 - 16 * static_cast<std::size_t>(j));
+    acc[j] = _mm512_maskz_loadu_ps(m[j], o + d0 + 16 * static_cast<std::size_t>(j));
+  }
   for (std::size_t r = 0; r < rows; ++r) {
     const float* row = v + r * stride + d0;
-    __m512 x[J];
+    const __m512 wb = _mm512_set1_ps(p[r]);
     KVDECODE_UNROLL
     for (int j = 0; j < J; ++j)
-      x[j] = _mm512_maskz_loadu_ps(m[j], row + 16 * static_cast<std::size_t>(j));
-    KVDECODE_UNROLL
-    for (int h = 0; h < H; ++h) {
-      const __m512 wb = _mm512_set1_ps(p[static_cast<std::size_t>(h) * p_stride + r]);
-      KVDECODE_UNROLL
-      for (int j = 0; j < J; ++j) acc[h][j] = _mm512_fmadd_ps(wb, x[j], acc[h][j]);
-    }
+      acc[j] = _mm512_fmadd_ps(
+          wb, _mm512_maskz_loadu_ps(m[j], row + 16 * static_cast<std::size_t>(j)), acc[j]);
   }
   KVDECODE_UNROLL
-  for (int h = 0; h < H; ++h) KVDECODE_UNROLL
   for (int j = 0; j < J; ++j)
-    _mm512_mask_storeu_ps(
-        o + static_cast<std::size_t>(h) * hs + d0 + 16 * static_cast<std::size_t>(j), m[j],
-        acc[h][j]);
+    _mm512_mask_storeu_ps(o + d0 + 16 * static_cast<std::size_t>(j), m[j], acc[j]);
 }
 
-/// f32_pv_chunk_avx512 for every head, up to 4 at a time (at most 16 accumulators).
-template <int J>
-KVDECODE_TARGET_AVX512 inline void f32_pv_heads_avx512(float* o, const float* p,
-                                                       std::size_t p_stride, std::size_t heads,
-                                                       const float* v, std::size_t stride,
-                                                       std::size_t rows, std::size_t hs,
-                                                       std::size_t d0) {
-  for (std::size_t h = 0; h < heads; h += 4) {
-    float* const oh = o + h * hs;
-    const float* const ph = p + h * p_stride;
-    switch (heads - h < 4 ? heads - h : 4) {
-      case 1:
-        f32_pv_chunk_avx512<J, 1>(oh, ph, p_stride, v, stride, rows, hs, d0);
-        break;
-      case 2:
-        f32_pv_chunk_avx512<J, 2>(oh, ph, p_stride, v, stride, rows, hs, d0);
-        break;
-      case 3:
-        f32_pv_chunk_avx512<J, 3>(oh, ph, p_stride, v, stride, rows, hs, d0);
-        break;
-      default:
-        f32_pv_chunk_avx512<J, 4>(oh, ph, p_stride, v, stride, rows, hs, d0);
-    }
-  }
-}
-
-/// o [heads][hs] += Σ_r p [heads][p_stride] [r] · v [r][stride], 64 channels at a time.
-KVDECODE_TARGET_AVX512 inline void f32_pv_avx512(float* o, const float* p, std::size_t p_stride,
-                                                 std::size_t heads, const float* v,
+/// o [hs] += Σ_r p [r] · v [r][stride], 64 channels at a time.
+KVDECODE_TARGET_AVX512 inline void f32_pv_avx512(float* o, const float* p, const float* v,
                                                  std::size_t stride, std::size_t rows,
                                                  std::size_t hs) {
   for (std::size_t d0 = 0; d0 < hs; d0 += 64) {
     const std::size_t left = hs - d0;
     if (left > 48) {
-      f32_pv_heads_avx512<4>(o, p, p_stride, heads, v, stride, rows, hs, d0);
+      f32_pv_chunk_avx512<4>(o, p, v, stride, rows, hs, d0);
     } else if (left > 32) {
-      f32_pv_heads_avx512<3>(o, p, p_stride, heads, v, stride, rows, hs, d0);
+      f32_pv_chunk_avx512<3>(o, p, v, stride, rows, hs, d0);
     } else if (left > 16) {
-      f32_pv_heads_avx512<2>(o, p, p_stride, heads, v, stride, rows, hs, d0);
+      f32_pv_chunk_avx512<2>(o, p, v, stride, rows, hs, d0);
     } else {
-      f32_pv_heads_avx512<1>(o, p, p_stride, heads, v, stride, rows, hs, d0);
+      f32_pv_chunk_avx512<1>(o, p, v, stride, rows, hs, d0);
     }
   }
 }
@@ -1102,38 +1042,32 @@ inline void coded_pv_low_bit(KernelSet ks, float* o, const float* p, float* w,
   coded_pv_low_bit_portable(o, p, codes, bits, vmin, vstep, rows, hs);
 }
 
-/// s [heads][s_stride] = q [heads][hs] · keys [rows][stride] (first hs of each row) · scale
-/// for the query heads of one kv head (first rows of each s row), with set ks; values
-/// [rows][stride] are the rows p·v will read next and next_keys the next block's keys (or
-/// null), both requested while the keys are read. Each head's scores are the same bits
-/// whatever heads is.
-inline void f32_row_scores(KernelSet ks, float* s, std::size_t s_stride, const float* q,
-                           std::size_t heads, const float* keys, const float* values,
-                           const float* next_keys, std::size_t stride, std::size_t rows,
-                           std::size_t hs, float scale) {
+/// s [rows] = q [hs] · keys [rows][stride] (first hs of each row) · scale, with set ks;
+/// values [rows][stride] are the rows p·v will read next and next_keys the next block's keys
+/// (or null), both requested while the keys are read.
+inline void f32_row_scores(KernelSet ks, float* s, const float* q, const float* keys,
+                           const float* values, const float* next_keys, std::size_t stride,
+                           std::size_t rows, std::size_t hs, float scale) {
 #if KVDECODE_X86_KERNELS
   if (coded_attention_kernels(ks))
-    return f32_row_scores_avx512(s, s_stride, q, heads, keys, values, next_keys, stride, rows, hs,
-                                 scale);
+    return coded_scores_avx512(
+        s, 0.0f, nullptr, nullptr, 0.0f, rows, scale,
+        F32RowDot{q, keys, values, next_keys, rows, stride, hs,
+                  (kF32PrefetchBytes / sizeof(float) + stride - 1) / stride});
 #endif
   static_cast<void>(ks), static_cast<void>(values), static_cast<void>(next_keys);
-  for (std::size_t j = 0; j < heads; ++j)
-    f32_row_scores_portable(s + j * s_stride, q + j * hs, keys, stride, rows, hs, scale);
+  f32_row_scores_portable(s, q, keys, stride, rows, hs, scale);
 }
 
-/// o [heads][hs] += Σ_r p [heads][p_stride] [r] · values [r][stride] (first hs of each row)
-/// for the query heads of one kv head, with set ks: the same bits whatever heads is, and
+/// o [hs] += Σ_r p [r] · values [r][stride] (first hs of each row), with set ks: the same bits
 /// whether rows [a, c) come in one call or as [a, b) and [b, c).
-inline void f32_row_pv(KernelSet ks, float* o, const float* p, std::size_t p_stride,
-                       std::size_t heads, const float* values, std::size_t stride, std::size_t rows,
-                       std::size_t hs) {
+inline void f32_row_pv(KernelSet ks, float* o, const float* p, const float* values,
+                       std::size_t stride, std::size_t rows, std::size_t hs) {
 #if KVDECODE_X86_KERNELS
-  if (coded_attention_kernels(ks))
-    return f32_pv_avx512(o, p, p_stride, heads, values, stride, rows, hs);
+  if (coded_attention_kernels(ks)) return f32_pv_avx512(o, p, values, stride, rows, hs);
 #endif
   static_cast<void>(ks);
-  for (std::size_t j = 0; j < heads; ++j)
-    f32_row_pv_portable(o + j * hs, p + j * p_stride, values, stride, rows, hs);
+  f32_row_pv_portable(o, p, values, stride, rows, hs);
 }
 
 }  // namespace kvdecode::detail

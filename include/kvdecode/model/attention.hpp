@@ -45,7 +45,7 @@ struct AttentionScratch {
         store_scratch_(store_scratch),
         n_threads_(n_threads == 0 ? 1 : n_threads),
         kv_mul_(static_cast<std::size_t>(cfg.kv_mul())),
-        scores(n_threads_ * score_rows() * kTile),
+        scores(n_threads_ * max_queries * kTile),
         row_max(n_threads_ * kv_mul_ * max_queries),
         row_sum(row_max.size()),
         query_sum(row_max.size()),
@@ -65,8 +65,8 @@ struct AttentionScratch {
     return (head_size + 31) / 32 * 32 + 2 * head_size + kTile;
   }
 
-  /// Thread t's score tile [score_rows()][kTile] and store scratch [block_scratch_size()].
-  T* thread_scores(std::size_t t) { return scores.data() + t * score_rows() * kTile; }
+  /// Thread t's score tile [max_queries][kTile] and store scratch [block_scratch_size()].
+  T* thread_scores(std::size_t t) { return scores.data() + t * max_queries_ * kTile; }
   std::span<T> thread_block(std::size_t t) {
     return block.span().subspan(t * store_scratch_, store_scratch_);
   }
@@ -91,9 +91,6 @@ struct AttentionScratch {
   }
   std::size_t n_threads() const { return n_threads_; }
   std::size_t max_queries() const { return max_queries_; }
-  /// Rows of a score tile: a tile's [n][cols] over n queries, or, where f32 rows are read in
-  /// place, one query's [kv_mul][cols] over the heads of a kv head.
-  std::size_t score_rows() const { return std::max(max_queries_, kv_mul_); }
 
  private:
   std::size_t max_queries_ = 0;
@@ -102,7 +99,7 @@ struct AttentionScratch {
   std::size_t kv_mul_ = 1;
 
  public:
-  AlignedBuffer<T> scores;       // [n_threads][score_rows()][kTile] scores, then probabilities
+  AlignedBuffer<T> scores;       // [n_threads][max_queries][kTile] scores, then probabilities
   AlignedBuffer<T> row_max;      // [n_threads][kv_mul][max_queries] running max of each query
   AlignedBuffer<T> row_sum;      // [n_threads][kv_mul][max_queries] running Σ exp(score - max)
   AlignedBuffer<T> query_sum;    // [n_threads][kv_mul][max_queries] Σ of a query's channels
@@ -288,11 +285,9 @@ void attend_kv_head_coded(const ModelConfig& cfg, const S& store, std::size_t la
         attend_rows(
             b.first + r0, rows,
             [&](float* s, const float* qh, float, const float*) {
-              f32_row_scores(ks, s, rows, qh, 1, keys, values, nullptr, b.stride, rows, hs, scale);
+              f32_row_scores(ks, s, qh, keys, values, nullptr, b.stride, rows, hs, scale);
             },
-            [&](float* o, const float* p) {
-              f32_row_pv(ks, o, p, rows, 1, values, b.stride, rows, hs);
-            });
+            [&](float* o, const float* p) { f32_row_pv(ks, o, p, values, b.stride, rows, hs); });
       }
     }
   });
@@ -379,58 +374,8 @@ void attend_kv_head(const ModelConfig& cfg, const S& store, std::size_t layer, s
   const bool own_products = !by_rows && detail::attention_uses_kernels<T>(ks);
   T* const kt = own_products ? scratch.thread_packed_keys(t) : nullptr;  // [hs][kTile]
 
-  // A tile's rows in place for each query: the scores of the kv head's kv_mul query heads
-  // [kv_mul][cols] (each row read once for all of them), their mask and online softmax, then
-  // p·v of the kv_mul heads together.
-  const auto flush_rows = [&] {
-    if constexpr (std::is_same_v<T, float>) {
-      const std::size_t tile_first = runs[0].first;
-      for (std::size_t r = 0; r < n; ++r) {
-        const std::size_t qi = q_first + r;
-        if (qi < tile_first) continue;  // the whole tile in this query's future
-        // Columns this query can see; a masking store's columns may not be consecutive
-        // positions, so there vis may only be too large and the mask below decides.
-        const std::size_t vis = std::min(cols, qi - tile_first + 1);
-        const auto taken = [&](const TileRun& run) {
-          return run.col >= vis ? std::size_t{0} : std::min(run.rows, vis - run.col);
-        };
-        const T* const qg = q + r * dim + g * kv_mul * hs;  // [kv_mul][hs]
-        T* const og = out + r * dim + g * kv_mul * hs;      // [kv_mul][hs]
-        for (std::size_t k = 0; k < n_runs; ++k)
-          if (const std::size_t take = taken(runs[k]); take > 0)
-            detail::f32_row_scores(ks, tile_scores + runs[k].col, cols, qg, kv_mul, runs[k].keys,
-                                   runs[k].values, k + 1 < n_runs ? runs[k + 1].keys : nullptr,
-                                   runs[k].stride, take, hs, scale);
-        bool any = false;
-        for (std::size_t j = 0; j < kv_mul; ++j) {
-          T* const row = tile_scores + j * cols;
-          if constexpr (MaskingKvStore<S>)
-            for (std::size_t k = 0; k < n_runs; ++k)
-              for (std::size_t c = 0, take = taken(runs[k]); c < take; ++c) {
-                const std::size_t ki = runs[k].first + c;
-                if (ki > qi || store.masks(qi, ki)) row[runs[k].col + c] = neg_inf;
-              }
-          any |= detail::online_softmax_row(row, vis, m_all[j * n + r], l_all[j * n + r],
-                                            og + j * hs, hs, ks);
-        }
-        if (!any) continue;  // every column masked: the rows are zero
-        for (std::size_t k = 0; k < n_runs; ++k)
-          if (const std::size_t take = taken(runs[k]); take > 0)
-            detail::f32_row_pv(ks, og, tile_scores + runs[k].col, cols, kv_mul, runs[k].values,
-                               runs[k].stride, take, hs);
-      }
-    }
-  };
-
   const auto flush = [&] {
     if (cols == 0) return;
-    if constexpr (std::is_same_v<T, float>)
-      if (by_rows) {  // in place, query by query, the kv head's query heads together
-        flush_rows();
-        n_runs = 0;
-        cols = 0;
-        return;
-      }
     if constexpr (std::is_same_v<T, float>)
       if (own_products)
         for (std::size_t k = 0; k < n_runs; ++k)
@@ -442,7 +387,7 @@ void attend_kv_head(const ModelConfig& cfg, const S& store, std::size_t layer, s
     TileRun packed{};
     const TileRun* products = runs.data();  // [n_products]
     std::size_t n_products = n_runs;
-    if (!own_products && n_runs > 1) {
+    if (!own_products && !by_rows && n_runs > 1) {
       T* const gk = scratch.thread_gathered(t);  // [kTile][hs]
       T* const gv = gk + kTile * hs;             // [kTile][hs]
       for (std::size_t k = 0; k < n_runs; ++k) {
@@ -487,10 +432,19 @@ void attend_kv_head(const ModelConfig& cfg, const S& store, std::size_t layer, s
           return run.col >= vis ? std::size_t{0} : std::min(run.rows, vis - run.col);
         };
         if constexpr (std::is_same_v<T, float>)
+          if (by_rows)
+            for (std::size_t r = r0; r < r0 + rb; ++r)
+              for (std::size_t k = 0; k < n_runs; ++k)
+                if (const std::size_t take = taken(runs[k]); take > 0)
+                  detail::f32_row_scores(ks, tile_scores + r * cols + runs[k].col,
+                                         q + r * dim + h * hs, runs[k].keys, runs[k].values,
+                                         k + 1 < n_runs ? runs[k + 1].keys : nullptr,
+                                         runs[k].stride, take, hs, scale);
+        if constexpr (std::is_same_v<T, float>)
           if (own_products)
             detail::attention_scores(ks, tile_scores + r0 * cols, cols, q + r0 * dim + h * hs, dim,
                                      kt, kTile, rb, vis, hs, scale);
-        for (std::size_t k = 0; k < n_products && !own_products; ++k) {
+        for (std::size_t k = 0; k < n_products && !own_products && !by_rows; ++k) {
           const TileRun& run = products[k];
           const std::size_t take = taken(run);
           if (take == 0) break;
@@ -528,6 +482,16 @@ void attend_kv_head(const ModelConfig& cfg, const S& store, std::size_t layer, s
           }
           detail::online_softmax_row(row, vis, m[r], l[r], out + r * dim + h * hs, hs, ks);
         }
+        if constexpr (std::is_same_v<T, float>)
+          if (by_rows) {
+            for (std::size_t r = r0; r < r0 + rb; ++r)
+              for (std::size_t k = 0; k < n_runs; ++k)
+                if (const std::size_t take = taken(runs[k]); take > 0)
+                  detail::f32_row_pv(ks, out + r * dim + h * hs,
+                                     tile_scores + r * cols + runs[k].col, runs[k].values,
+                                     runs[k].stride, take, hs);
+            continue;
+          }
         if constexpr (std::is_same_v<T, float>)
           if (own_products) {
             for (std::size_t k = 0; k < n_runs; ++k)
