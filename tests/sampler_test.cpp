@@ -226,6 +226,24 @@ TEST(SamplerTest, TopPCutEqualsTheFullSortBitForBit) {
       }
 }
 
+// The trap for a cut taken too early: 1222 equal probabilities whose f32 running sum over the
+// first 128 falls short of their exact sum, and top_p between the two. Summed exactly, the
+// first 128 pass top_p; summed as the cut sums them, only 129 do, which is the rule's answer.
+TEST(SamplerTest, TopPCutWaitsForTheRunningSumNotTheExactOne) {
+  const std::size_t n = 1222;
+  const std::vector<float> probs(n, 1.0f / static_cast<float>(n));
+  float c128 = 0.0f;
+  for (std::size_t i = 0; i < 128; ++i) c128 += probs[i];
+  const float top_p = std::nextafter(c128, 1.0f);
+  ASSERT_LT(static_cast<double>(top_p), 128.0 * double{probs[0]}) << "no trap: pick another n";
+  std::vector<std::int32_t> order(n, -1);
+  const auto kept =
+      detail::top_k_top_p(std::span<const float>(probs), n, top_p, std::span<std::int32_t>(order));
+  ASSERT_EQ(kept.count, 129u);
+  EXPECT_EQ(kept.mass, c128 + probs[0]);
+  for (std::size_t i = 0; i < kept.count; ++i) ASSERT_EQ(order[i], static_cast<std::int32_t>(i));
+}
+
 TEST(SamplerTest, TopKKeepsTheKMostLikely) {
   const std::vector<double> p = {0.15, 0.5, 0.05, 0.3};
   const auto f = frequencies(SamplerOptions{1.0, 1.0, 2, 5}, logits_of(p), 200000);

@@ -207,11 +207,9 @@ class Sampler {
     for (std::size_t i = 0; i < logits.size(); ++i)
       probs_[i] = static_cast<float>(logits[i]) * inv_t;
     // The largest, NaNs skipped as std::max(m, x) skips them, in vector registers.
-    const float max_l = probs_.empty()
-                            ? -INFINITY
-                            : Eigen::Map<const Eigen::VectorXf>(
-                                  probs_.data(), static_cast<Eigen::Index>(probs_.size()))
-                                  .maxCoeff<Eigen::PropagateNumbers>();
+    const float max_l = Eigen::Map<const Eigen::VectorXf>(probs_.data(),
+                                                          static_cast<Eigen::Index>(probs_.size()))
+                            .maxCoeff<Eigen::PropagateNumbers>();  // vocab_size > 0
     const float sum = detail::softmax_exp(active_kernel_set(), probs_.data(), probs_.size(), max_l);
     for (float& p : probs_) p /= sum;
     if (options_.min_p > 0.0) {
