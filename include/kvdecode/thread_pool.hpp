@@ -1,7 +1,9 @@
 // ThreadPool: a fixed set of persistent worker threads that run one parallel region at a time,
 // woken through atomics (spin briefly, then futex-wait), so a decode step's ~100 regions cost
 // microseconds, not thread launches. Parts of a region are claimed, not assigned, so a worker the
-// OS has descheduled never holds the caller up. Plain std::thread; nothing depends on OpenMP.
+// OS has descheduled never holds the caller up; run_items deals a region's items out in one
+// contiguous share per part, taken over by the others when a part falls behind. Plain
+// std::thread; nothing depends on OpenMP.
 #pragma once
 
 #include <algorithm>
@@ -9,6 +11,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <exception>
+#include <memory>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -42,6 +45,7 @@ class ThreadPool {
     KVDECODE_CHECK(n_threads <= 1024, "ThreadPool: ", n_threads,
                    " threads requested, at most 1024");
     n_threads_ = n_threads;
+    shares_ = std::make_unique<Share[]>(n_threads);
     workers_.reserve(n_threads - 1);
     for (std::size_t i = 1; i < n_threads; ++i) workers_.emplace_back([this] { work(); });
   }
@@ -92,6 +96,34 @@ class ThreadPool {
       error_claimed_.store(false);
       std::rethrow_exception(e);
     }
+  }
+
+  /// Calls f(item, part) exactly once for each item in [0, n_items), on the caller and whichever
+  /// workers join in time (part as in run(): per-part scratch stays unshared). Each part owns a
+  /// contiguous share of the items and claims them through a counter of its own, so claiming
+  /// does not move a cache line between cores (a shared counter costs a core-to-core transfer
+  /// per item); a part whose share is done takes items from the others', so a thread the OS
+  /// delays holds the region up by one item at most. Allocates nothing.
+  template <class F>
+  void run_items(std::size_t n_items, F&& f) {
+    if (n_threads_ == 1 || n_items <= 1) {
+      for (std::size_t i = 0; i < n_items; ++i) f(i, std::size_t{0});
+      return;
+    }
+    // Published to the workers by run()'s reopening of the region (release).
+    for (std::size_t p = 0; p < n_threads_; ++p) {
+      const auto [begin, end] = share(n_items, n_threads_, p);
+      shares_[p].next.store(begin, std::memory_order_relaxed);
+      shares_[p].end = end;
+    }
+    run([&](std::size_t part) {
+      for (std::size_t k = 0; k < n_threads_; ++k) {
+        Share& s = shares_[(part + k) % n_threads_];
+        for (std::size_t i = s.next.fetch_add(1, std::memory_order_relaxed); i < s.end;
+             i = s.next.fetch_add(1, std::memory_order_relaxed))
+          f(i, part);
+      }
+    });
   }
 
   /// The half-open range [begin, end) of `count` items that part `part` of `parts` takes:
@@ -157,16 +189,26 @@ class ThreadPool {
     if (error_claimed_.compare_exchange_strong(expected, true)) error_ = std::move(e);
   }
 
+  // One part's items in run_items: the next unclaimed one and the end of its share.
+  struct alignas(64) Share {
+    std::atomic<std::size_t> next{0};
+    std::size_t end = 0;
+  };
+
   std::size_t n_threads_ = 1;
+  std::unique_ptr<Share[]> shares_;   // [n_threads], each on a cache line of its own
   std::vector<std::thread> workers_;  // [n_threads - 1]
+  // A worker starts a region after a core-to-core transfer per cache line it needs, so what it
+  // reads first shares one line (the region and its generation) and what it then updates shares
+  // another (joining, claiming a part).
   // The current region: written by the caller before the generation bump (release), read by
   // workers after seeing it (acquire).
+  alignas(64) std::atomic<std::uint64_t> generation_{0};  // bumped once per region
   void (*call_)(void*, std::size_t) = nullptr;
   void* ctx_ = nullptr;
-  alignas(64) std::atomic<std::uint64_t> generation_{0};  // bumped once per region
-  alignas(64) std::atomic<std::size_t> next_part_{0};     // the next unclaimed part
+  alignas(64) std::atomic<std::size_t> next_part_{0};  // the next unclaimed part
   // Workers inside the current region, plus kClosed once the caller has closed it.
-  alignas(64) std::atomic<std::uint64_t> joined_{kClosed};
+  std::atomic<std::uint64_t> joined_{kClosed};
   static constexpr std::uint64_t kClosed = std::uint64_t{1} << 63;
   std::atomic<bool> stop_{false};
   std::atomic<bool> error_claimed_{false};
@@ -182,6 +224,17 @@ inline void parallel_run(ThreadPool* pool, F&& f) {
   }
   const std::size_t n = pool->size();
   pool->run([&](std::size_t i) { f(i, n); });
+}
+
+/// Runs f(item, part) for each item in [0, n_items) on pool's threads (ThreadPool::run_items),
+/// or in order on the caller (part 0) without one.
+template <class F>
+inline void run_items(ThreadPool* pool, std::size_t n_items, F&& f) {
+  if (pool == nullptr) {
+    for (std::size_t i = 0; i < n_items; ++i) f(i, std::size_t{0});
+    return;
+  }
+  pool->run_items(n_items, f);
 }
 
 }  // namespace kvdecode

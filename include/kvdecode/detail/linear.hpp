@@ -53,28 +53,24 @@ enum class FewTokenOrder { kGemv, kLanes };
 inline constexpr std::size_t kMinParallelWeights = std::size_t{1} << 15;
 
 /// One token (GEMV, memory bound): threads claim chunks of ~64 KiB of weight rows of every
-/// projection from a shared counter, so a thread the OS delays holds the others up by one chunk
-/// at most. rows(p, r0, r1) computes rows [r0, r1) of projection p.
+/// projection (ThreadPool::run_items: a thread's own share first, then the others'), so a thread
+/// the OS delays holds the others up by one chunk at most. rows(p, r0, r1) computes rows [r0, r1)
+/// of projection p.
 template <class T, class W, class Rows>
 void run_row_chunks(ThreadPool& threads, std::initializer_list<Projection<T, W>> ps,
                     std::size_t row_bytes, Rows&& rows) {
   const std::size_t chunk = std::max<std::size_t>(16, (std::size_t{1} << 16) / row_bytes / 16 * 16);
   std::size_t n_chunks = 0;
   for (const Projection<T, W>& p : ps) n_chunks += (p.out + chunk - 1) / chunk;
-  std::atomic<std::size_t> next{0};
-  threads.run([&](std::size_t) {
-    for (std::size_t c = next.fetch_add(1, std::memory_order_relaxed); c < n_chunks;
-         c = next.fetch_add(1, std::memory_order_relaxed)) {
-      std::size_t first = c;  // chunk index → (projection, rows)
-      for (const Projection<T, W>& p : ps) {
-        const std::size_t here = (p.out + chunk - 1) / chunk;
-        if (first < here) {
-          const std::size_t r0 = first * chunk;
-          rows(p, r0, std::min(p.out, r0 + chunk));
-          break;
-        }
-        first -= here;
+  threads.run_items(n_chunks, [&](std::size_t c, std::size_t) {
+    for (const Projection<T, W>& p : ps) {  // chunk index → (projection, rows)
+      const std::size_t here = (p.out + chunk - 1) / chunk;
+      if (c < here) {
+        const std::size_t r0 = c * chunk;
+        rows(p, r0, std::min(p.out, r0 + chunk));
+        return;
       }
+      c -= here;
     }
   });
 }

@@ -112,7 +112,7 @@ struct AttentionScratch {
 
 /// Below this many multiply-adds (queries × keys × head_size × heads) attention stays on one
 /// thread: it is done before a second thread would be awake.
-inline constexpr std::size_t kMinParallelAttention = std::size_t{1} << 16;
+inline constexpr std::size_t kMinParallelAttention = std::size_t{1} << 15;
 
 namespace detail {
 /// One query's step of the online softmax over a tile: row [cols] holds its scores (-inf where

@@ -403,26 +403,23 @@ class Model {
              act.q.data() + part.row * dim, act.att.data() + part.row * dim, act.attention,
              act.pool);
     } else {
-      // A batch: (part, kv head) items claimed from a shared counter, as the sequences'
-      // contexts differ; kv head by kv head, so that a pool's sequences appended in turn are
-      // read in the order their blocks lie in (BlockPool keeps a head's blocks together).
+      // A batch: (part, kv head) items shared out by run_items, as the sequences' contexts
+      // differ; kv head by kv head, so that a pool's sequences appended in turn are read in the
+      // order their blocks lie in (BlockPool keeps a head's blocks together).
       std::size_t work = 0;
       for (const SequenceRows& part : parts)
         work += part.rows * (stores[part.seq]->size() + part.pending_first + part.rows);
       work *= hs * static_cast<std::size_t>(cfg.n_heads);
       const std::size_t items = parts.size() * n_kv_heads;
       ThreadPool* const pool = work >= kMinParallelAttention && items > 1 ? act.pool : nullptr;
-      std::atomic<std::size_t> next{0};
-      parallel_run(pool, [&](std::size_t t, std::size_t) {
-        for (std::size_t i = next.fetch_add(1, std::memory_order_relaxed); i < items;
-             i = next.fetch_add(1, std::memory_order_relaxed)) {
-          const SequenceRows& part = parts[i % parts.size()];
-          const S& cache = *stores[part.seq];
-          attend_kv_head(cfg, cache, l, i / parts.size(), cache.size() + part.pending_first,
-                         part.rows, act.q.data() + part.row * dim, act.att.data() + part.row * dim,
-                         act.attention, t);
-        }
-      });
+      const auto item = [&](std::size_t i, std::size_t t) {
+        const SequenceRows& part = parts[i % parts.size()];
+        const S& cache = *stores[part.seq];
+        attend_kv_head(cfg, cache, l, i / parts.size(), cache.size() + part.pending_first,
+                       part.rows, act.q.data() + part.row * dim, act.att.data() + part.row * dim,
+                       act.attention, t);
+      };
+      run_items(pool, items, item);
     }
 
     linear_group({{act.xb.data(), lw.wo.data(), dim, amx_.get(l, &AmxLayerPanels::wo)}},

@@ -596,21 +596,18 @@ class Engine {
   /// on which thread drew it.
   void draw_tokens(std::span<const T> logits, std::size_t begin, std::size_t vocab) {
     ThreadPool* const threads = sampling_.size() > 1 ? options_.thread_pool : nullptr;
-    std::atomic<std::size_t> next{0};
-    parallel_run(threads, [&](std::size_t, std::size_t) {
-      for (std::size_t i = next.fetch_add(1, std::memory_order_relaxed); i < sampling_.size();
-           i = next.fetch_add(1, std::memory_order_relaxed)) {
-        Draw& d = sampling_[i];
-        Sequence& s = *batch_[d.batch_index];
-        // The repetition penalty sees the latest repeat_last_n tokens, as generate() keeps them.
-        const SamplerOptions& so = s.sampler.options();
-        const std::size_t last_n =
-            so.repeat_penalty != 1.0 ? std::min(so.repeat_last_n, pool_.capacity()) : 0;
-        const std::span<const std::int32_t> all(s.tokens);
-        d.token = s.sampler.sample(logits.subspan((d.batch_index - begin) * vocab, vocab),
-                                   all.last(std::min(last_n, all.size())));
-      }
-    });
+    const auto draw = [&](std::size_t i, std::size_t) {
+      Draw& d = sampling_[i];
+      Sequence& s = *batch_[d.batch_index];
+      // The repetition penalty sees the latest repeat_last_n tokens, as generate() keeps them.
+      const SamplerOptions& so = s.sampler.options();
+      const std::size_t last_n =
+          so.repeat_penalty != 1.0 ? std::min(so.repeat_last_n, pool_.capacity()) : 0;
+      const std::span<const std::int32_t> all(s.tokens);
+      d.token = s.sampler.sample(logits.subspan((d.batch_index - begin) * vocab, vocab),
+                                 all.last(std::min(last_n, all.size())));
+    };
+    run_items(threads, sampling_.size(), draw);
   }
 
   /// Appends a drawn token to s and tells its stream; ends s on a stop token, at max_tokens or
