@@ -14,6 +14,7 @@
 #include <span>
 #include <sstream>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "fixture_files.hpp"
@@ -212,6 +213,16 @@ void expect_cut_as_full_sort(std::size_t n, double spread, bool ties, std::uint6
       ASSERT_EQ(kept.count, count) << what;
       ASSERT_EQ(kept.mass, mass) << what;
       for (std::size_t i = 0; i < count; ++i) ASSERT_EQ(order[i], all[i]) << what << " rank " << i;
+      if constexpr (std::is_same_v<P, float>) {  // the Sampler's form: packed keys
+        std::vector<std::uint64_t> keys(n);
+        const auto by_keys = detail::top_k_top_p(std::span<const float>(probs), k, p,
+                                                 std::span<std::uint64_t>(keys));
+        ASSERT_EQ(by_keys.count, count) << what << " (keys)";
+        ASSERT_EQ(by_keys.mass, mass) << what << " (keys)";
+        for (std::size_t i = 0; i < count; ++i)
+          ASSERT_EQ(static_cast<std::int32_t>(keys[i] & 0xFFFFFFFFu), all[i])
+              << what << " rank " << i << " (keys)";
+      }
     }
   }
 }
@@ -242,6 +253,12 @@ TEST(SamplerTest, TopPCutWaitsForTheRunningSumNotTheExactOne) {
   ASSERT_EQ(kept.count, 129u);
   EXPECT_EQ(kept.mass, c128 + probs[0]);
   for (std::size_t i = 0; i < kept.count; ++i) ASSERT_EQ(order[i], static_cast<std::int32_t>(i));
+  std::vector<std::uint64_t> keys(n);
+  const auto by_keys =
+      detail::top_k_top_p(std::span<const float>(probs), n, top_p, std::span<std::uint64_t>(keys));
+  ASSERT_EQ(by_keys.count, 129u);
+  EXPECT_EQ(by_keys.mass, c128 + probs[0]);
+  for (std::size_t i = 0; i < by_keys.count; ++i) ASSERT_EQ(keys[i] & 0xFFFFFFFFu, i);
 }
 
 TEST(SamplerTest, TopKKeepsTheKMostLikely) {
@@ -334,7 +351,10 @@ TEST(SamplerTest, BadOptionsAreNamed) {
       },
       ::testing::ThrowsMessage<Error>(::testing::HasSubstr("repeat_penalty must be")));
   EXPECT_THAT([] { Sampler(0, SamplerOptions{}); },
-              ::testing::ThrowsMessage<Error>(::testing::HasSubstr("vocab_size must be positive")));
+              ::testing::ThrowsMessage<Error>(::testing::HasSubstr("vocab_size must be in [1,")));
+  // Ids past int32 are refused before the [vocab_size] buffers are allocated.
+  EXPECT_THAT([] { Sampler(std::int64_t{1} << 31, SamplerOptions{}); },
+              ::testing::ThrowsMessage<Error>(::testing::HasSubstr("got 2147483648")));
   Sampler s(4, SamplerOptions{});
   const std::vector<float> three(3);
   EXPECT_THAT(

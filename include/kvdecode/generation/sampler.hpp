@@ -4,9 +4,11 @@
 #pragma once
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <numeric>
 #include <span>
@@ -53,28 +55,28 @@ class XorShiftRng {
 
 namespace detail {
 
-/// For top_k_top_p: moves the K most likely of the m candidates in order [m] to its front
+/// For top_k_top_p: moves the K most likely of the m candidates items [m] to its front
 /// (unsorted) and returns K, the least of 128 × 4^j and limit for which the running sum of the K
 /// in sorted order certainly exceeds top_p (or limit). That running sum c_K is computed in P and
 /// falls short of the exact sum s by at most γ_K s (Higham's γ_K = K u / (1 − K u), u the unit
 /// roundoff of P); the sum S below, in double, exceeds s by at most γ_m s, so S (1 − γ_K) / (1 +
 /// γ_m) > top_p proves c_K > top_p (K + 4 and m + 4 cover the rounding of the test itself).
-template <class P, class Less>
-std::size_t nucleus_prefix(std::span<const P> probs, std::span<std::int32_t> order,
-                           std::size_t limit, P top_p, Less less) {
-  const std::size_t m = order.size();
+template <class P, class Item, class ProbOf, class Less>
+std::size_t nucleus_prefix(std::span<Item> items, ProbOf prob_of, std::size_t limit, P top_p,
+                           Less less) {
+  const std::size_t m = items.size();
   const double u = std::numeric_limits<P>::epsilon() / 2;
   const double u_sum = std::numeric_limits<double>::epsilon() / 2;
   const auto gamma = [](double n, double unit) { return n * unit / (1.0 - n * unit); };
   const double sum_slack = 1.0 + gamma(static_cast<double>(m + 4), u_sum);
-  double sum = 0;  // of probs[order[0..k)]
+  double sum = 0;  // of the probabilities of items[0..k)
   std::size_t begin = 0;
   std::size_t k = std::min<std::size_t>(limit, 128);
   for (;;) {
     if (k < m)
-      std::nth_element(order.begin() + static_cast<std::ptrdiff_t>(begin),
-                       order.begin() + static_cast<std::ptrdiff_t>(k), order.end(), less);
-    for (std::size_t i = begin; i < k; ++i) sum += probs[static_cast<std::size_t>(order[i])];
+      std::nth_element(items.begin() + static_cast<std::ptrdiff_t>(begin),
+                       items.begin() + static_cast<std::ptrdiff_t>(k), items.end(), less);
+    for (std::size_t i = begin; i < k; ++i) sum += prob_of(items[i]);
     if (k == limit ||
         sum * (1.0 - gamma(static_cast<double>(k + 4), u)) / sum_slack > static_cast<double>(top_p))
       return k;
@@ -88,56 +90,89 @@ std::size_t nucleus_prefix(std::span<const P> probs, std::span<std::int32_t> ord
 /// (1 - top_p) / (n - 1) dropped first (the others hold more than top_p, unless all n are below
 /// it), the rest sorted by probability, descending (ties by index, where run.c's qsort leaves
 /// them unspecified), cut after the k-th and after the first whose running sum exceeds top_p
-/// (all of them when none does). Writes the kept ids to order[0..count) and returns count and
-/// their summed probability.
+/// (all of them when none does). Returns count and their summed probability.
 template <class P>
 struct KeptCandidates {
   std::size_t count;
   P mass;
 };
-template <class P>
-KeptCandidates<P> top_k_top_p(std::span<const P> probs, std::size_t k, P top_p,
-                              std::span<std::int32_t> order) {
+
+/// The rule above on items [n] of any form: item(i) makes candidate i's item, prob_of(item) reads
+/// its probability back and less orders items by (probability descending, index ascending).
+/// Leaves the kept ones in items[0..count) in that order.
+template <class P, class Item, class MakeItem, class ProbOf, class Less>
+KeptCandidates<P> cut_candidates(std::span<const P> probs, std::size_t k, P top_p,
+                                 std::span<Item> items, MakeItem item, ProbOf prob_of, Less less) {
   const std::size_t n = probs.size();
   const P cutoff = top_p < P(1) && n > 1 ? (P(1) - top_p) / static_cast<P>(n - 1) : P(0);
   std::size_t m = 0;
   for (std::size_t i = 0; i < n; ++i) {  // no branch: whether one is taken is the data's
-    order[m] = static_cast<std::int32_t>(i);
+    items[m] = item(i);
     m += probs[i] >= cutoff ? 1 : 0;
   }
   // With top_p < 1/n a flat distribution can leave every candidate below the cutoff (run.c then
   // indexes before its array): all of them stay candidates.
   if (m == 0)
-    for (; m < n; ++m) order[m] = static_cast<std::int32_t>(m);
-  const auto by_prob = [&](std::int32_t a, std::int32_t b) {
-    const P pa = probs[static_cast<std::size_t>(a)];
-    const P pb = probs[static_cast<std::size_t>(b)];
-    return pa > pb || (pa == pb && a < b);
-  };
+    for (; m < n; ++m) items[m] = item(m);
   // Only the candidates up to where the running sum passes top_p need their order, usually a
   // small share of them. Select the K most likely (nth_element), K growing 4× while their sum
   // could still fall short of top_p, then sort those K alone. (probability, index) is a strict
   // order, so they are the first K of the full sort and the cut below is the full sort's.
   const std::size_t keep_k = std::min(k, m);
-  const std::size_t sorted = nucleus_prefix(probs, order.first(m), keep_k, top_p, by_prob);
-  std::sort(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(sorted), by_prob);
+  const std::size_t sorted = nucleus_prefix(items.first(m), prob_of, keep_k, top_p, less);
+  std::sort(items.begin(), items.begin() + static_cast<std::ptrdiff_t>(sorted), less);
   P cumulative = 0;
   for (std::size_t i = 0; i < sorted; ++i) {
-    cumulative += probs[static_cast<std::size_t>(order[i])];
+    cumulative += prob_of(items[i]);
     if (cumulative > top_p) return {i + 1, cumulative};
   }
   return {sorted, cumulative};
 }
 
+/// The rule on candidate ids: writes the kept ids to order[0..count) (order [n] is scratch).
+template <class P>
+KeptCandidates<P> top_k_top_p(std::span<const P> probs, std::size_t k, P top_p,
+                              std::span<std::int32_t> order) {
+  return cut_candidates(
+      probs, k, top_p, order, [](std::size_t i) { return static_cast<std::int32_t>(i); },
+      [&](std::int32_t id) { return probs[static_cast<std::size_t>(id)]; },
+      [&](std::int32_t a, std::int32_t b) {
+        const P pa = probs[static_cast<std::size_t>(a)];
+        const P pb = probs[static_cast<std::size_t>(b)];
+        return pa > pb || (pa == pb && a < b);
+      });
+}
+
+/// A float candidate as one integer whose ascending order is (probability descending, id
+/// ascending): the probability's bits complemented above the id. Probabilities are ≥ 0, whose
+/// bits order as unsigned integers; a NaN counts as 0 (last).
+inline std::uint64_t candidate_key(float p, std::size_t id) {
+  const std::uint32_t bits = p > 0.0f ? std::bit_cast<std::uint32_t>(p) : 0u;
+  return (std::uint64_t{~bits} << 32) | static_cast<std::uint32_t>(id);
+}
+
+/// The rule for float probabilities on packed keys (candidate_key): one integer comparison per
+/// step of the selection and the sort instead of two probability loads. The kept ids are the
+/// low 32 bits of keys[0..count) (keys [n] is scratch); the same cut as on ids.
+inline KeptCandidates<float> top_k_top_p(std::span<const float> probs, std::size_t k, float top_p,
+                                         std::span<std::uint64_t> keys) {
+  return cut_candidates(
+      probs, k, top_p, keys, [&](std::size_t i) { return candidate_key(probs[i], i); },
+      [&](std::uint64_t key) { return probs[static_cast<std::uint32_t>(key)]; },
+      std::less<std::uint64_t>());
+}
+
 }  // namespace detail
 
-/// Samples token ids from logits. Holds its scratch ([vocab_size] probabilities and indices), so
-/// sampling allocates nothing; not shareable between threads.
+/// Samples token ids from logits. Holds its scratch ([vocab_size] probabilities and candidate
+/// keys), so sampling allocates nothing; not shareable between threads.
 class Sampler {
  public:
   Sampler(std::int64_t vocab_size, const SamplerOptions& options)
       : options_(options), rng_(options.seed) {
-    KVDECODE_CHECK(vocab_size > 0, "Sampler: vocab_size must be positive, got ", vocab_size);
+    KVDECODE_CHECK(vocab_size > 0 && vocab_size <= std::numeric_limits<std::int32_t>::max(),
+                   "Sampler: vocab_size must be in [1, 2^31 - 1] (token ids are int32), got ",
+                   vocab_size);
     KVDECODE_CHECK(options.temperature >= 0.0 && std::isfinite(options.temperature),
                    "Sampler: temperature must be a finite number >= 0, got ", options.temperature);
     KVDECODE_CHECK(std::isfinite(options.top_p), "Sampler: top_p must be finite, got ",
@@ -150,7 +185,7 @@ class Sampler {
                    "Sampler: repeat_penalty must be a finite number > 0, got ",
                    options.repeat_penalty);
     probs_.resize(static_cast<std::size_t>(vocab_size));
-    order_.resize(static_cast<std::size_t>(vocab_size));
+    keys_.resize(static_cast<std::size_t>(vocab_size));
     if (options.repeat_penalty != 1.0) {
       penalized_.resize(static_cast<std::size_t>(vocab_size));
       seen_.assign(static_cast<std::size_t>(vocab_size), 0);
@@ -245,20 +280,23 @@ class Sampler {
   // Top-k then top-p (detail::top_k_top_p), sampled in proportion within the kept candidates.
   std::int32_t truncated(float coin, std::size_t k, float top_p) {
     const auto kept = detail::top_k_top_p(std::span<const float>(probs_), k, top_p,
-                                          std::span<std::int32_t>(order_));
+                                          std::span<std::uint64_t>(keys_));
+    const auto id = [&](std::size_t i) {
+      return static_cast<std::int32_t>(keys_[i] & 0xFFFFFFFFu);
+    };
     const float r = coin * kept.mass;
     float cdf = 0.0f;
     for (std::size_t i = 0; i < kept.count; ++i) {
-      cdf += probs_[static_cast<std::size_t>(order_[i])];
-      if (r < cdf) return order_[i];
+      cdf += probs_[static_cast<std::size_t>(id(i))];
+      if (r < cdf) return id(i);
     }
-    return order_[kept.count - 1];
+    return id(kept.count - 1);
   }
 
   SamplerOptions options_;
   XorShiftRng rng_;
   std::vector<float> probs_;         // [vocab_size]
-  std::vector<std::int32_t> order_;  // [vocab_size] candidate ids, sorted by probability
+  std::vector<std::uint64_t> keys_;  // [vocab_size] candidates (candidate_key), sorted
   std::vector<float> penalized_;     // [vocab_size] logits after the repetition penalty
   std::vector<std::uint8_t> seen_;   // [vocab_size] 1 while a recent id is being penalised
 };
