@@ -411,7 +411,7 @@ class Model {
         work += part.rows * (stores[part.seq]->size() + part.pending_first + part.rows);
       work *= hs * static_cast<std::size_t>(cfg.n_heads);
       const std::size_t items = parts.size() * n_kv_heads;
-      ThreadPool* const pool = work >= kMinParallelAttention && items > 1 ? act.pool : nullptr;
+      ThreadPool* const pool = work >= kMinParallelAttention ? act.pool : nullptr;
       const auto item = [&](std::size_t i, std::size_t t) {
         const SequenceRows& part = parts[i % parts.size()];
         const S& cache = *stores[part.seq];

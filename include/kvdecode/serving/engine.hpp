@@ -595,7 +595,6 @@ class Engine {
   /// so the draws are shared out on the step's threads; the token of a sequence does not depend
   /// on which thread drew it.
   void draw_tokens(std::span<const T> logits, std::size_t begin, std::size_t vocab) {
-    ThreadPool* const threads = sampling_.size() > 1 ? options_.thread_pool : nullptr;
     const auto draw = [&](std::size_t i, std::size_t) {
       Draw& d = sampling_[i];
       Sequence& s = *batch_[d.batch_index];
@@ -607,7 +606,7 @@ class Engine {
       d.token = s.sampler.sample(logits.subspan((d.batch_index - begin) * vocab, vocab),
                                  all.last(std::min(last_n, all.size())));
     };
-    run_items(threads, sampling_.size(), draw);
+    run_items(options_.thread_pool, sampling_.size(), draw);  // one draw stays on the caller
   }
 
   /// Appends a drawn token to s and tells its stream; ends s on a stop token, at max_tokens or
