@@ -8,6 +8,8 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "kvdecode/io/cache_file.hpp"
@@ -26,12 +28,17 @@ inline void write_bytes(const std::filesystem::path& p, const FileBytes& b) {
   out.write(reinterpret_cast<const char*>(b.data()), static_cast<std::streamsize>(b.size()));
 }
 
-inline void put_u32(FileBytes& b, std::size_t at, std::uint32_t v) {
-  for (std::size_t i = 0; i < 4; ++i) b[at + i] = static_cast<unsigned char>(v >> (8 * i));
+/// b [at, at + bytes) = v, little-endian; a field past the end is a broken test, not a patch.
+template <std::size_t bytes, class U>
+void put_le(FileBytes& b, std::size_t at, U v) {
+  if (at > b.size() || b.size() - at < bytes)
+    throw std::out_of_range("a " + std::to_string(bytes) + "-byte field at offset " +
+                            std::to_string(at) + " of a " + std::to_string(b.size()) +
+                            "-byte file");
+  for (std::size_t i = 0; i < bytes; ++i) b[at + i] = static_cast<unsigned char>(v >> (8 * i));
 }
-inline void put_u64(FileBytes& b, std::size_t at, std::uint64_t v) {
-  for (std::size_t i = 0; i < 8; ++i) b[at + i] = static_cast<unsigned char>(v >> (8 * i));
-}
+inline void put_u32(FileBytes& b, std::size_t at, std::uint32_t v) { put_le<4>(b, at, v); }
+inline void put_u64(FileBytes& b, std::size_t at, std::uint64_t v) { put_le<8>(b, at, v); }
 
 /// Recomputes the header checksum (XXH3-64 of the bytes before it) after an edit and, with
 /// payload_too, first the payload's (XXH3-64 of every byte after the header).

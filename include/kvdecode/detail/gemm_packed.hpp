@@ -326,7 +326,8 @@ void gemm_packed(KernelSet ks, float* y, const float* x, const W* w, std::size_t
     else
       packed_panel_avx512(y + b, out, x, n, in, panel, cols, next);
 #else
-    static_cast<void>(x), static_cast<void>(n), static_cast<void>(out), static_cast<void>(next);
+    static_cast<void>(y), static_cast<void>(x), static_cast<void>(n), static_cast<void>(out),
+        static_cast<void>(next);
 #endif
   }
 }
