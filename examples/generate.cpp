@@ -341,14 +341,6 @@ void check(const Options& o) {
     throw UsageError{
         "--speculate and --draft verify proposals against the KV cache; they "
         "cannot be combined with --no-cache"};
-  if (speculating && o.repeat_penalty != 1.0)
-    throw UsageError{
-        "--speculate and --draft verify against the unpenalised distribution; "
-        "they cannot be combined with --repeat-penalty"};
-  if (speculating && o.min_p > 0 && o.temperature > 0)
-    throw UsageError{
-        "--speculate and --draft sample by temperature, top-k and top-p; --min-p "
-        "needs --temperature 0 with them"};
 }
 
 // ---------------------------------------------------------------------------------------------

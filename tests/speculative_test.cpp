@@ -121,11 +121,11 @@ struct RunResult {
 /// store of `kind`: prompt, then up to n_new tokens.
 template <class T, class MakeDrafter>
 RunResult run(const Model<T>& model, typename Setup<T>::Kind kind, const Tokens& prompt,
-              std::size_t n_new, bool speculate, MakeDrafter&& make_drafter) {
+              std::size_t n_new, bool speculate, MakeDrafter&& make_drafter,
+              const SamplerOptions& greedy = {.temperature = 0}) {
   const ModelConfig& cfg = model.config();
   RunResult result;
   const GenerationOptions gen{.max_new_tokens = n_new};
-  const SamplerOptions greedy{.temperature = 0};
   const auto go = [&](auto& store, std::span<const std::int32_t> rest) {
     Activations<T> act(
         cfg, {.max_chunk = Setup<T>::kMaxDraft + 1, .store_scratch = store.block_scratch_size()});
@@ -223,6 +223,53 @@ TYPED_TEST(SpeculativeGreedyTest, EqualsPlainGreedyOnEveryStoreAndDrafter) {
   // Both paths of verification ran: kept proposals and rolled-back ones.
   EXPECT_GT(accepted, 100u);
   EXPECT_GT(rejected, 100u);
+}
+
+TYPED_TEST(SpeculativeGreedyTest, RepeatPenaltyScoresEachVerifiedRowAsDecodingDoes) {
+  using T = TypeParam;
+  if (!exact_verify<T>()) GTEST_SKIP() << "f32 verification uses Eigen's GEMM on this target";
+  ModelConfig cfg = small_config(4, 2, 120);
+  const Model<T> target(random_weights<T>(cfg, 31));
+  const Model<T> other(random_weights<T>(cfg, 77));
+  Tokens prompt = random_tokens(9, cfg.vocab_size, 5);
+  const Tokens again(prompt.begin(), prompt.end());
+  prompt.insert(prompt.end(), again.begin(), again.end());
+  const std::size_t n_new = 80;
+  // Row i of a pass is penalised over the tokens up to the proposal before it, as decoding
+  // penalises that position; a window shorter than the pass's reach tests the ring too.
+  const SamplerOptions penalised{.temperature = 0, .repeat_penalty = 1.5, .repeat_last_n = 12};
+  const auto lookup = [] { return std::make_unique<PromptLookupDrafter>(); };
+  std::size_t accepted = 0, rejected = 0;
+  for (int k = 0; k < 6; ++k) {
+    const auto kind = static_cast<typename Setup<T>::Kind>(k);
+    SCOPED_TRACE(kKindNames[k]);
+    const RunResult plain = run(target, kind, prompt, n_new, false, lookup, penalised);
+    ASSERT_EQ(plain.tokens.size(), n_new);
+    // The penalty changes the text here, so a verification that ignored it would differ.
+    EXPECT_NE(plain.tokens, run(target, kind, prompt, n_new, false, lookup).tokens);
+    for (int d = 0; d < 2; ++d) {
+      SCOPED_TRACE(d == 0 ? "prompt lookup" : "random draft model");
+      ContiguousStore<T> draft_store(cfg);
+      Activations<T> draft_act(cfg, {.max_chunk = 8});
+      const RunResult spec =
+          d == 0 ? run(target, kind, prompt, n_new, true, lookup, penalised)
+                 : run(
+                       target, kind, prompt, n_new, true,
+                       [&] {
+                         return std::make_unique<DraftModelDrafter<T, T, ContiguousStore<T>>>(
+                             other, draft_store, draft_act, Setup<T>::kMaxDraft);
+                       },
+                       penalised);
+      EXPECT_EQ(spec.tokens, plain.tokens);
+      EXPECT_EQ(spec.cache_tokens, plain.cache_tokens);
+      EXPECT_GT(spec.stats.drafted, 0u);
+      accepted += spec.stats.accepted;
+      rejected += spec.stats.drafted - spec.stats.accepted;
+    }
+  }
+  std::printf("  accepted %zu, rolled back %zu\n", accepted, rejected);
+  EXPECT_GT(accepted, 0u);
+  EXPECT_GT(rejected, 0u);
 }
 
 TYPED_TEST(SpeculativeGreedyTest, StopsLikeGenerateAtAStopTokenAndAFullCache) {
@@ -331,8 +378,6 @@ TEST(SpeculationOptionTest, RefusesWhatItCannotHonourAndChangesNothing) {
   };
   const Speculation lookup = Speculation::prompt_lookup(4);
   refused({.temperature = 0}, {.use_cache = false, .speculation = lookup});
-  refused({.temperature = 0, .repeat_penalty = 1.3}, {.speculation = lookup});
-  refused({.temperature = 0.8, .min_p = 0.1}, {.speculation = lookup});
   refused({.temperature = 0}, {.speculation = {.kind = Speculation::Kind::kDrafter}});
 }
 
@@ -350,17 +395,43 @@ ModelConfig sampling_config() {
                       .seq_len = 16});
 }
 
-/// The sampling distribution written out from its definition: softmax(logits / t), then the
-/// top_k most likely, then the shortest prefix of them (by probability) whose mass exceeds
+struct Law {
+  double temperature = 1;
+  std::size_t top_k = 0;
+  double top_p = 1;
+  double min_p = 0;
+  double repeat_penalty = 1;
+  std::size_t repeat_last_n = 0;
+};
+
+/// The sampling distribution written out from its definition: each distinct token among the
+/// last repeat_last_n of `seen` has its logit l made l / penalty (l > 0) or l × penalty; then
+/// softmax(logits / t); tokens under min_p × the largest probability dropped, renormalised; then
+/// the top_k most likely, then the shortest prefix of them (by probability) whose mass exceeds
 /// top_p, renormalised.
-std::vector<double> target_law(std::span<const double> logits, double t, std::size_t top_k,
-                               double top_p) {
-  const std::size_t n = logits.size();
+std::vector<double> target_law(std::span<const double> raw, const Law& law, const Tokens& seen) {
+  const std::size_t n = raw.size();
+  std::vector<double> logits(raw.begin(), raw.end());
+  std::vector<bool> penalised(n, false);
+  const std::size_t last = std::min(law.repeat_last_n, seen.size());
+  for (std::size_t j = seen.size() - last; j < seen.size(); ++j) {
+    const auto id = static_cast<std::size_t>(seen[j]);
+    if (law.repeat_penalty == 1 || penalised[id]) continue;
+    penalised[id] = true;
+    logits[id] = logits[id] > 0 ? logits[id] / law.repeat_penalty : logits[id] * law.repeat_penalty;
+  }
+  const double t = law.temperature;
   std::vector<double> p(n);
   double mx = *std::max_element(logits.begin(), logits.end());
   double sum = 0;
   for (std::size_t i = 0; i < n; ++i) sum += p[i] = std::exp((logits[i] - mx) / t);
   for (double& x : p) x /= sum;
+  const double floor = law.min_p * *std::max_element(p.begin(), p.end());
+  double kept = 0;
+  for (double& x : p) kept += x = x < floor ? 0.0 : x;
+  for (double& x : p) x /= kept;
+  const std::size_t top_k = law.top_k;
+  const double top_p = law.top_p;
   std::vector<std::size_t> idx(n);
   for (std::size_t i = 0; i < n; ++i) idx[i] = i;
   std::sort(idx.begin(), idx.end(), [&](std::size_t a, std::size_t b) { return p[a] > p[b]; });
@@ -418,9 +489,7 @@ ChiSquare chi_square(const std::map<std::size_t, std::size_t>& observed,
 
 struct SamplingCase {
   const char* name;
-  double temperature;
-  std::size_t top_k;
-  double top_p;
+  Law law;
   int drafter;  // 0 lookup, 1 draft model sampling at its own temperature, 2 greedy draft model
 };
 
@@ -433,14 +502,18 @@ TEST(SpeculativeSamplingTest, KeepsTheTargetDistribution) {
   const std::size_t vocab = 5;
   const std::size_t runs = 20000;
   const SamplingCase cases[] = {
-      {"t=1, lookup", 1.0, 0, 1.0, 0},
-      {"t=0.7, draft model t=1.3", 0.7, 0, 1.0, 1},
-      {"t=1, top_k=4, top_p=0.9, greedy draft model", 1.0, 4, 0.9, 2},
+      {"t=1, lookup", {.temperature = 1.0}, 0},
+      {"t=0.7, draft model t=1.3", {.temperature = 0.7}, 1},
+      {"t=1, top_k=4, top_p=0.9, greedy draft model", {.top_k = 4, .top_p = 0.9}, 2},
+      {"t=1, min_p=0.3, lookup", {.min_p = 0.3}, 0},
+      {"t=0.8, repeat penalty 3 over the last 3, draft model t=1.3",
+       {.temperature = 0.8, .repeat_penalty = 3, .repeat_last_n = 3},
+       1},
   };
   for (const SamplingCase& sc : cases) {
     SCOPED_TRACE(sc.name);
     // The exact law of the 3 tokens: product of the conditionals, from forward_reference.
-    const auto law_at = [&](double t) {
+    const auto law_at = [&](const Law& law) {
       std::vector<double> joint(vocab * vocab * vocab);
       for (std::size_t c = 0; c < joint.size(); ++c) {
         Tokens seq = prompt;
@@ -448,8 +521,8 @@ TEST(SpeculativeSamplingTest, KeepsTheTargetDistribution) {
         std::size_t code = c;
         for (std::size_t j = 0; j < n_tokens; ++j) {
           const std::vector<double> all = target.forward_reference(seq);
-          const std::vector<double> p = target_law(
-              std::span<const double>(all).subspan(all.size() - vocab), t, sc.top_k, sc.top_p);
+          const std::vector<double> p =
+              target_law(std::span<const double>(all).subspan(all.size() - vocab), law, seq);
           const std::size_t x =
               code / static_cast<std::size_t>(std::pow(vocab, n_tokens - 1 - j)) % vocab;
           pr *= p[x];
@@ -466,10 +539,13 @@ TEST(SpeculativeSamplingTest, KeepsTheTargetDistribution) {
     const SamplerOptions draft_sampling{.temperature = sc.drafter == 1 ? 1.3 : 0.0, .top_p = 1.0};
     for (std::size_t r = 0; r < runs; ++r) {
       store.reset();
-      const SamplerOptions sampling{.temperature = sc.temperature,
-                                    .top_p = sc.top_p,
-                                    .top_k = static_cast<std::int64_t>(sc.top_k),
-                                    .seed = 1000 + r};
+      const SamplerOptions sampling{.temperature = sc.law.temperature,
+                                    .top_p = sc.law.top_p,
+                                    .top_k = static_cast<std::int64_t>(sc.law.top_k),
+                                    .seed = 1000 + r,
+                                    .min_p = sc.law.min_p,
+                                    .repeat_penalty = sc.law.repeat_penalty,
+                                    .repeat_last_n = sc.law.repeat_last_n};
       std::size_t code = 0;
       const auto on_token = [&](std::int32_t t) {
         code = code * vocab + static_cast<std::size_t>(t);
@@ -496,12 +572,22 @@ TEST(SpeculativeSamplingTest, KeepsTheTargetDistribution) {
     EXPECT_GT(drafted, runs / 2);
     EXPECT_GT(accepted, drafted / 20);
     EXPECT_LT(accepted, drafted);
-    const ChiSquare fit = chi_square(observed, law_at(sc.temperature), runs);
+    const ChiSquare fit = chi_square(observed, law_at(sc.law), runs);
     const double critical = chi_square_critical(fit.df);
     EXPECT_LT(fit.statistic, critical) << "df " << fit.df;
-    // The test can fail: the same counts against the law at another temperature are rejected.
-    const ChiSquare off = chi_square(observed, law_at(sc.temperature * 1.3), runs);
+    // The test can fail: the same counts against the law at another temperature are rejected,
+    // and against the law without min-p or the penalty where the case has them.
+    Law hotter = sc.law;
+    hotter.temperature *= 1.3;
+    const ChiSquare off = chi_square(observed, law_at(hotter), runs);
     EXPECT_GT(off.statistic, chi_square_critical(off.df)) << "df " << off.df;
+    if (sc.law.min_p > 0 || sc.law.repeat_penalty != 1) {
+      Law plain = sc.law;
+      plain.min_p = 0;
+      plain.repeat_penalty = 1;
+      const ChiSquare uncut = chi_square(observed, law_at(plain), runs);
+      EXPECT_GT(uncut.statistic, chi_square_critical(uncut.df)) << "df " << uncut.df;
+    }
     std::printf(
         "  %s: chi-square %.1f (df %.0f, critical %.1f); at 1.3 t: %.1f; accepted %zu/%zu\n",
         sc.name, fit.statistic, fit.df, critical, off.statistic, accepted, drafted);

@@ -36,7 +36,8 @@ struct GenerationOptions {
   bool use_cache = true;
   /// Speculative decoding: none (the default), prompt lookup, or a drafter such as a smaller
   /// model on its own store (Speculation::prompt_lookup(k), Speculation::with_drafter(d, k)).
-  /// Needs use_cache and a sampler without repeat penalty (and without min-p when sampling).
+  /// Needs use_cache. Every sampler setting applies: a verified row is scored as the sampler
+  /// scores it (the repetition penalty over the tokens before it, min-p, top-k, top-p).
   Speculation speculation{};
 };
 
@@ -132,14 +133,6 @@ GenerationStats generate(const Model<T, W>& model, S& cache, Activations<T>& act
                    "run with use_cache = false");
     KVDECODE_CHECK(spec.kind != Speculation::Kind::kDrafter || spec.drafter,
                    "generate: Speculation::Kind::kDrafter needs a drafter");
-    KVDECODE_CHECK(sampling.repeat_penalty == 1.0,
-                   "generate: speculation verifies against the unpenalised distribution; the "
-                   "repeat penalty must be 1, got ",
-                   sampling.repeat_penalty);
-    KVDECODE_CHECK(sampling.temperature == 0 || sampling.min_p == 0,
-                   "generate: speculative sampling follows temperature, top-k and top-p, not "
-                   "min-p; min_p must be 0, got ",
-                   sampling.min_p);
   }
   GenerationStats stats;
   stats.cached_tokens = cache.size();
@@ -222,20 +215,24 @@ GenerationStats generate(const Model<T, W>& model, S& cache, Activations<T>& act
   const DrafterRef drafter =
       spec.kind == Speculation::Kind::kPromptLookup ? DrafterRef(lookup) : spec.drafter;
 
+  // f(row as the sampler scores it): penalised over the recent tokens where the penalty applies.
+  const auto scored = [&](std::span<const T> row, auto&& f) {
+    if (last_n == 0 || recent.empty()) return f(row);
+    return f(sampler.penalized(row, std::span<const std::int32_t>(recent)));
+  };
   const auto pick = [&](std::span<const T> logits) {  // the next token from a row of logits
-    if (!speculate) {
-      const std::int32_t token = sampler.sample(logits, std::span<const std::int32_t>(recent));
-      remember(token);
-      return token;
-    }
-    if (greedy) return Sampler::argmax(logits);
-    detail::sampling_distribution(logits, sampling, std::span<double>(p),
-                                  std::span<std::int32_t>(order));
-    return detail::draw(p, detail::coin(rng));
+    if (!speculate) return sampler.sample(logits, std::span<const std::int32_t>(recent));
+    return scored(logits, [&]<class L>(std::span<const L> row) {
+      if (greedy) return Sampler::argmax(row);
+      detail::sampling_distribution(row, sampling, std::span<double>(p),
+                                    std::span<std::int32_t>(order));
+      return detail::draw(p, detail::coin(rng));
+    });
   };
   bool stop = false;
   const auto emit = [&](std::int32_t token) {  // hands a token out; stop when generation ends
     ++stats.generated_tokens;
+    remember(token);
     bool go_on = true;
     if constexpr (std::is_same_v<std::invoke_result_t<OnToken&, std::int32_t>, bool>) {
       go_on = on_token(token);
@@ -266,12 +263,14 @@ GenerationStats generate(const Model<T, W>& model, S& cache, Activations<T>& act
       if (i == n_drafted) {  // every proposal kept: the row after the last gives one more
         token = pick(row);
       } else if (greedy) {
-        token = Sampler::argmax(row);
+        token = scored(row, [](auto r) { return Sampler::argmax(r); });
         kept = token == pass[i + 1];
       } else {
         const std::int32_t d = pass[i + 1];
-        detail::sampling_distribution(row, sampling, std::span<double>(p),
-                                      std::span<std::int32_t>(order));
+        scored(row, [&](auto r) {
+          detail::sampling_distribution(r, sampling, std::span<double>(p),
+                                        std::span<std::int32_t>(order));
+        });
         const std::span<const double> q = drafter.distribution(i);
         const auto ud = static_cast<std::size_t>(d);
         const double qd = q.empty() ? 1.0 : q[ud];

@@ -210,19 +210,33 @@ class Sampler {
     KVDECODE_CHECK(logits.size() == probs_.size(), "Sampler::sample: ", logits.size(),
                    " logits for a vocabulary of ", probs_.size());
     if (options_.repeat_penalty == 1.0 || recent.empty()) return sample_from(logits);
+    return sample_from(penalized(logits, recent));
+  }
+
+  /// The logits sample() draws from when the repetition penalty applies (repeat_penalty ≠ 1):
+  /// a copy of logits [vocab_size] with each distinct token of `recent` penalised, in the
+  /// sampler's scratch (valid until the next call). Speculative verification scores its rows
+  /// with it.
+  template <class T>
+  std::span<const float> penalized(std::span<const T> logits,
+                                   std::span<const std::int32_t> recent) {
+    KVDECODE_CHECK(options_.repeat_penalty != 1.0,
+                   "Sampler::penalized: the repeat penalty is 1 (off)");
+    KVDECODE_CHECK(logits.size() == probs_.size(), "Sampler::penalized: ", logits.size(),
+                   " logits for a vocabulary of ", probs_.size());
+    for (const std::int32_t id : recent)
+      KVDECODE_CHECK(id >= 0 && static_cast<std::size_t>(id) < penalized_.size(),
+                     "Sampler::sample: recent token id ", id, " is outside [0, vocab_size ",
+                     penalized_.size(), ")");
     std::copy(logits.begin(), logits.end(), penalized_.begin());
     apply_repeat_penalty(recent);
-    return sample_from(std::span<const float>(penalized_));
+    return penalized_;
   }
 
  private:
   // Each distinct recent token once: l / penalty for l > 0, else l × penalty.
   void apply_repeat_penalty(std::span<const std::int32_t> recent) {
     const auto penalty = static_cast<float>(options_.repeat_penalty);
-    for (const std::int32_t id : recent)
-      KVDECODE_CHECK(id >= 0 && static_cast<std::size_t>(id) < penalized_.size(),
-                     "Sampler::sample: recent token id ", id, " is outside [0, vocab_size ",
-                     penalized_.size(), ")");
     for (const std::int32_t id : recent) {
       const auto i = static_cast<std::size_t>(id);
       if (seen_[i]) continue;

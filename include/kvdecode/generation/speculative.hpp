@@ -95,9 +95,11 @@ class PromptLookupDrafter {
 
 namespace detail {
 
-/// The distribution Sampler draws from for these logits: softmax(logits / temperature), cut by
-/// top-k and top-p as Sampler cuts it (top_k_top_p, in double), renormalised. probs [vocab_size]
-/// receives it; order [vocab_size] is scratch. Needs temperature > 0.
+/// The distribution Sampler draws from for these logits (already penalised where the sampler
+/// penalises): softmax(logits / temperature); with min_p, every token below min_p × the largest
+/// probability dropped and the rest renormalised; then cut by top-k and top-p as Sampler cuts it
+/// (top_k_top_p, in double), renormalised. probs [vocab_size] receives it; order [vocab_size] is
+/// scratch. Needs temperature > 0.
 template <class T>
 void sampling_distribution(std::span<const T> logits, const SamplerOptions& options,
                            std::span<double> probs, std::span<std::int32_t> order) {
@@ -112,6 +114,15 @@ void sampling_distribution(std::span<const T> logits, const SamplerOptions& opti
     sum += probs[i];
   }
   for (std::size_t i = 0; i < n; ++i) probs[i] /= sum;
+  if (options.min_p > 0.0) {
+    const double floor = options.min_p * *std::max_element(probs.begin(), probs.end());
+    double kept = 0;
+    for (double& p : probs) {
+      if (p < floor) p = 0.0;
+      kept += p;
+    }
+    for (double& p : probs) p /= kept;
+  }
   const bool use_k = options.top_k > 0 && static_cast<std::size_t>(options.top_k) < n;
   const bool use_p = options.top_p > 0.0 && options.top_p < 1.0;
   if (!use_k && !use_p) return;
