@@ -264,8 +264,9 @@ void declare(CLI::App& app, Options& o) {
           std::to_string(kDefaultDraft) + "). Pays where the text repeats the prompt or itself")
       ->group(spec);
   app.add_option("--draft", o.draft,
-                 "a smaller llama2.c checkpoint with the target's vocabulary drafts the tokens "
-                 "(f32, on its own cache); \"demo\": the demo model")
+                 "a smaller model with the target's vocabulary (a llama2.c checkpoint or a GGUF "
+                 "file of any weight type) drafts the tokens (in f32, on its own cache); "
+                 "\"demo\": the demo model")
       ->group(spec);
   app.add_option("--draft-k", o.draft_k, "tokens --draft proposes per pass")
       ->check(number<std::size_t>(1, kvdecode::kMaxSpeculativeDraft))
@@ -993,7 +994,7 @@ int run(const Options& o) {
       dw = demo_weights<float>();
     } else {
       try {
-        dw = load_checkpoint(o.draft);
+        dw = load_model<float>(o.draft).weights;  // either format, any stored type, run in f32
       } catch (const Error& e) {
         std::string message = e.what();  // "kvdecode: <what> [file:line]", kept for --verbose
         if (message.starts_with("kvdecode: ")) message.erase(0, 10);
