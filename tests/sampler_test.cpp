@@ -310,7 +310,19 @@ TEST(SamplerTest, RepetitionPenaltyDividesPositiveAndMultipliesNegativeLogits) {
   int zeros = 0;
   for (int i = 0; i < 100000; ++i) zeros += t.sample(std::span<const float>(two), recent) == 0;
   EXPECT_NEAR(zeros / 100000.0, 0.5, 0.01);
-  EXPECT_THROW(s.sample(std::span<const float>(l), std::vector<std::int32_t>{4}), Error);
+  EXPECT_THAT([&] { s.sample(std::span<const float>(l), std::vector<std::int32_t>{4}); },
+              ::testing::ThrowsMessage<Error>(
+                  ::testing::HasSubstr("recent token id 4 is outside [0, vocab_size 4)")));
+  // penalized(): the logits sample() draws from, each distinct recent token once, by the rule.
+  const std::vector<std::int32_t> twice = {0, 2, 0};
+  const std::span<const float> p = s.penalized(std::span<const float>(l), twice);
+  EXPECT_EQ(std::vector<float>(p.begin(), p.end()),
+            (std::vector<float>{3.0f / 1.5f, 2.5f, -1.0f * 1.5f, -1.2f}));
+  EXPECT_THAT([&] { s.penalized(std::span<const float>(l), std::vector<std::int32_t>{-1}); },
+              ::testing::ThrowsMessage<Error>(::testing::HasSubstr("recent token id -1")));
+  Sampler off(4, {.temperature = 0});
+  EXPECT_THAT([&] { off.penalized(std::span<const float>(l), first); },
+              ::testing::ThrowsMessage<Error>(::testing::HasSubstr("the repeat penalty is 1")));
 }
 
 TEST(SamplerTest, SameSeedSameTokens) {

@@ -226,7 +226,7 @@ class Sampler {
                    " logits for a vocabulary of ", probs_.size());
     for (const std::int32_t id : recent)
       KVDECODE_CHECK(id >= 0 && static_cast<std::size_t>(id) < penalized_.size(),
-                     "Sampler::sample: recent token id ", id, " is outside [0, vocab_size ",
+                     "Sampler: recent token id ", id, " is outside [0, vocab_size ",
                      penalized_.size(), ")");
     std::copy(logits.begin(), logits.end(), penalized_.begin());
     apply_repeat_penalty(recent);
