@@ -151,6 +151,11 @@ inline std::uint64_t candidate_key(float p, std::size_t id) {
   return (std::uint64_t{~bits} << 32) | static_cast<std::uint32_t>(id);
 }
 
+/// The id a candidate_key holds.
+inline std::int32_t candidate_id(std::uint64_t key) {
+  return static_cast<std::int32_t>(key & 0xFFFFFFFFu);
+}
+
 /// The rule for float probabilities on packed keys (candidate_key): one integer comparison per
 /// step of the selection and the sort instead of two probability loads. The kept ids are the
 /// low 32 bits of keys[0..count) (keys [n] is scratch); the same cut as on ids.
@@ -158,7 +163,7 @@ inline KeptCandidates<float> top_k_top_p(std::span<const float> probs, std::size
                                          std::span<std::uint64_t> keys) {
   return cut_candidates(
       probs, k, top_p, keys, [&](std::size_t i) { return candidate_key(probs[i], i); },
-      [&](std::uint64_t key) { return probs[static_cast<std::uint32_t>(key)]; },
+      [&](std::uint64_t key) { return probs[static_cast<std::size_t>(candidate_id(key))]; },
       std::less<std::uint64_t>());
 }
 
@@ -295,9 +300,7 @@ class Sampler {
   std::int32_t truncated(float coin, std::size_t k, float top_p) {
     const auto kept = detail::top_k_top_p(std::span<const float>(probs_), k, top_p,
                                           std::span<std::uint64_t>(keys_));
-    const auto id = [&](std::size_t i) {
-      return static_cast<std::int32_t>(keys_[i] & 0xFFFFFFFFu);
-    };
+    const auto id = [&](std::size_t i) { return detail::candidate_id(keys_[i]); };
     const float r = coin * kept.mass;
     float cdf = 0.0f;
     for (std::size_t i = 0; i < kept.count; ++i) {
