@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -231,6 +232,70 @@ TEST(CodedAttentionTest, F32RowKernelsMatchTheFormula) {
       ASSERT_EQ(split, o) << kernel_set_name(ks) << " hs " << hs << " rows " << rows << " split at "
                           << b;
     }
+}
+
+// The query heads that share a kv head, scored and summed together (f32_heads_scores,
+// f32_heads_pv): each head against the formula, and bit for bit the kernels above one head at a
+// time, which is what keeps a decode step's bits whatever the GQA ratio's kernel.
+TEST(CodedAttentionTest, F32HeadKernelsMatchTheFormulaAndOneHeadAtATime) {
+  for (const KernelSet ks : supported_sets())
+    for (const Shape sh : kShapes)
+      for (const std::size_t heads : {1, 2, 3, 4, 5, 8}) {
+        detail::SplitMix64 rng(sh.hs * 89 + sh.rows * 7 + heads);
+        const std::size_t hs = sh.hs, rows = sh.rows, stride = hs + 5, cols = rows + 3;
+        std::vector<float> q(heads * hs), p(heads * cols), keys(rows * stride),
+            values(rows * stride), next(rows * stride);
+        for (float& x : q) x = uniform(rng);
+        for (float& x : p) x = std::abs(uniform(rng));
+        for (float& x : keys) x = uniform(rng);
+        for (float& x : values) x = uniform(rng);
+        const float scale = 0.7f;
+        const float* next_keys = heads % 2 == 0 ? next.data() : nullptr;
+        std::vector<float> s(heads * cols, -1.0f), one(rows);
+        detail::f32_heads_scores(ks, s.data(), cols, q.data(), heads, keys.data(), values.data(),
+                                 next_keys, stride, rows, hs, scale);
+        std::vector<float> o(heads * hs);
+        for (float& x : o) x = uniform(rng);
+        const std::vector<float> o0 = o;
+        detail::f32_heads_pv(ks, o.data(), p.data(), cols, values.data(), stride, rows, hs, heads);
+        for (std::size_t h = 0; h < heads; ++h) {
+          const auto where = [&] {
+            return std::string(kernel_set_name(ks)) + " hs " + std::to_string(hs) + " rows " +
+                   std::to_string(rows) + " head " + std::to_string(h) + " of " +
+                   std::to_string(heads);
+          };
+          for (std::size_t r = 0; r < rows; ++r) {
+            double dot = 0, mag = 0;
+            for (std::size_t c = 0; c < hs; ++c) {
+              dot += double{q[h * hs + c]} * keys[r * stride + c];
+              mag += std::abs(double{q[h * hs + c]} * keys[r * stride + c]);
+            }
+            ASSERT_NEAR(s[h * cols + r], dot * scale,
+                        static_cast<double>(hs + 2) * kUnit * mag * scale)
+                << where() << " row " << r;
+          }
+          ASSERT_EQ(s[h * cols + rows], -1.0f) << where() << ": wrote past its rows";
+          detail::f32_row_scores(ks, one.data(), q.data() + h * hs, keys.data(), values.data(),
+                                 next_keys, stride, rows, hs, scale);
+          ASSERT_TRUE(std::equal(one.begin(), one.end(), s.begin() + static_cast<long>(h * cols)))
+              << where() << ": scores differ from one head's kernel";
+          for (std::size_t c = 0; c < hs; ++c) {
+            double want = o0[h * hs + c], mag = std::abs(want);
+            for (std::size_t r = 0; r < rows; ++r) {
+              want += double{p[h * cols + r]} * values[r * stride + c];
+              mag += std::abs(double{p[h * cols + r]} * values[r * stride + c]);
+            }
+            ASSERT_NEAR(o[h * hs + c], want, static_cast<double>(2 * rows + 2) * kUnit * mag)
+                << where() << " channel " << c;
+          }
+          std::vector<float> alone(o0.begin() + static_cast<long>(h * hs),
+                                   o0.begin() + static_cast<long>((h + 1) * hs));
+          detail::f32_row_pv(ks, alone.data(), p.data() + h * cols, values.data(), stride, rows,
+                             hs);
+          ASSERT_TRUE(std::equal(alone.begin(), alone.end(), o.begin() + static_cast<long>(h * hs)))
+              << where() << ": p·v differs from one head's kernel";
+        }
+      }
 }
 
 TEST(CodedAttentionTest, LowBitKernelsMatchTheFormula) {

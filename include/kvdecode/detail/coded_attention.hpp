@@ -25,6 +25,7 @@
 #include "kvdecode/detail/cpu.hpp"
 #include "kvdecode/detail/f16.hpp"
 #include "kvdecode/detail/gemv.hpp"  // KVDECODE_UNROLL
+#include "kvdecode/detail/prefetch.hpp"
 
 namespace kvdecode::detail {
 
@@ -870,8 +871,8 @@ struct F32RowDot {
   std::size_t stride;
   std::size_t hs;
   std::size_t distance;  // kF32PrefetchBytes in rows, at least 1
-  KVDECODE_TARGET_AVX512 __m512 operator()(std::size_t r) const {
-    const float* row = keys + r * stride;
+  /// Requests row r's key row distance ahead and its value row.
+  KVDECODE_TARGET_AVX512 KVDECODE_PREFETCH_INLINE void prefetch(std::size_t r) const {
     const std::size_t ahead = r + distance;
     const char* pf = reinterpret_cast<const char*>(ahead < rows || next == nullptr
                                                        ? keys + ahead * stride
@@ -881,6 +882,10 @@ struct F32RowDot {
       _mm_prefetch(pf + b, _MM_HINT_T0);
       _mm_prefetch(value + b, _MM_HINT_T1);
     }
+  }
+  KVDECODE_TARGET_AVX512 __m512 operator()(std::size_t r) const {
+    const float* row = keys + r * stride;
+    prefetch(r);
     __m512 a = _mm512_setzero_ps();
     std::size_t c = 0;
     for (; c + 16 <= hs; c += 16)
@@ -933,6 +938,165 @@ KVDECODE_TARGET_AVX512 inline void f32_pv_avx512(float* o, const float* p, const
       f32_pv_chunk_avx512<2>(o, p, v, stride, rows, hs, d0);
     } else {
       f32_pv_chunk_avx512<1>(o, p, v, stride, rows, hs, d0);
+    }
+  }
+}
+
+/// q · row as 16 partial sums, q held in J registers (the last masked by tail): F32RowDot's
+/// chain.
+template <int J>
+KVDECODE_TARGET_AVX512 inline __m512 f32_dot_avx512(const __m512* q, const float* row,
+                                                    __mmask16 tail) {
+  __m512 a = _mm512_setzero_ps();
+  KVDECODE_UNROLL
+  for (int j = 0; j < J; ++j)
+    a = _mm512_fmadd_ps(
+        q[j], j + 1 < J ? _mm512_loadu_ps(row + 16 * j) : _mm512_maskz_loadu_ps(tail, row + 16 * j),
+        a);
+  return a;
+}
+
+/// The 16 lanes of scores of key rows [r0, r0 + count) (count ≤ 16) against a query held in J
+/// registers: F32RowDot's chains and coded_scores_avx512's reduction, without the scale. With
+/// kPrefetch each row's lines are requested as it is read (F32RowDot::prefetch).
+template <int J, bool kPrefetch>
+KVDECODE_TARGET_AVX512 inline __m512 f32_group_scores_avx512(const __m512* qv,
+                                                             const F32RowDot& rows_at,
+                                                             std::size_t r0, std::size_t count,
+                                                             __mmask16 tail) {
+  const float* k0 = rows_at.keys + r0 * rows_at.stride;
+  __m512 acc[16];
+  if (count == 16) {
+    KVDECODE_UNROLL
+    for (std::size_t i = 0; i < 16; ++i) {
+      if constexpr (kPrefetch) rows_at.prefetch(r0 + i);
+      acc[i] = f32_dot_avx512<J>(qv, k0 + i * rows_at.stride, tail);
+    }
+  } else {
+    for (std::size_t i = 0; i < 16; ++i) {
+      if (i >= count) {
+        acc[i] = _mm512_setzero_ps();
+        continue;
+      }
+      if constexpr (kPrefetch) rows_at.prefetch(r0 + i);
+      acc[i] = f32_dot_avx512<J>(qv, k0 + i * rows_at.stride, tail);
+    }
+  }
+  return _mm512_add_ps(reduce16_avx512(acc), _mm512_setzero_ps());
+}
+
+/// The query heads that share a kv head, read together: s [heads][s_stride] (first rows of
+/// each) = q [heads][hs] · keys [rows][stride] · scale, head by head the bits of F32RowDot in
+/// coded_scores_avx512. Each group of 16 key rows is read from memory (its lines requested as
+/// the first head reads it) and then scored for the other heads from L1.
+template <int J>
+KVDECODE_TARGET_AVX512 inline void f32_heads_scores_avx512(float* s, std::size_t s_stride,
+                                                           const float* q, std::size_t heads,
+                                                           const F32RowDot& rows_at, float scale) {
+  const std::size_t hs = rows_at.hs, rows = rows_at.rows;
+  const __mmask16 tail = coded_mask16(hs - 16 * (J - 1));
+  const __m512 vs = _mm512_set1_ps(scale);
+  for (std::size_t r0 = 0; r0 < rows; r0 += 16) {
+    const std::size_t count = rows - r0 < 16 ? rows - r0 : 16;
+    const __mmask16 m = coded_mask16(count);
+    for (std::size_t h = 0; h < heads; ++h) {
+      __m512 qv[J];
+      KVDECODE_UNROLL
+      for (int j = 0; j < J; ++j)
+        qv[j] = j + 1 < J ? _mm512_loadu_ps(q + h * hs + 16 * j)
+                          : _mm512_maskz_loadu_ps(tail, q + h * hs + 16 * j);
+      const __m512 sum = h == 0 ? f32_group_scores_avx512<J, true>(qv, rows_at, r0, count, tail)
+                                : f32_group_scores_avx512<J, false>(qv, rows_at, r0, count, tail);
+      _mm512_mask_storeu_ps(s + h * s_stride + r0, m, _mm512_mul_ps(sum, vs));
+    }
+  }
+}
+
+/// o [heads][hs] += Σ_r p [h][p_stride] [r] · v [r][stride], channels [d0, d0 + 16·J) of H
+/// heads: each head's chains are f32_pv_chunk_avx512's, the H heads' run side by side so a
+/// row's value lines are loaded once and H·J chains hide one another's latency.
+template <int J, int H>
+KVDECODE_TARGET_AVX512 inline void f32_heads_pv_chunk_avx512(float* o, const float* p,
+                                                             std::size_t p_stride, const float* v,
+                                                             std::size_t stride, std::size_t rows,
+                                                             std::size_t hs, std::size_t d0) {
+  __mmask16 m[J];
+  __m512 acc[H][J];
+  KVDECODE_UNROLL
+  for (int j = 0; j < J; ++j) m[j] = coded_mask16(hs - d0 - 16 * static_cast<std::size_t>(j));
+  KVDECODE_UNROLL
+  for (int h = 0; h < H; ++h) KVDECODE_UNROLL
+  for (int j = 0; j < J; ++j)
+    acc[h][j] = _mm512_maskz_loadu_ps(
+        m[j], o + static_cast<std::size_t>(h) * hs + d0 + 16 * static_cast<std::size_t>(j));
+  for (std::size_t r = 0; r < rows; ++r) {
+    const float* row = v + r * stride + d0;
+    __m512 vr[J];
+    KVDECODE_UNROLL
+    for (int j = 0; j < J; ++j)
+      vr[j] = _mm512_maskz_loadu_ps(m[j], row + 16 * static_cast<std::size_t>(j));
+    KVDECODE_UNROLL
+    for (int h = 0; h < H; ++h) {
+      const __m512 wb = _mm512_set1_ps(p[static_cast<std::size_t>(h) * p_stride + r]);
+      KVDECODE_UNROLL
+      for (int j = 0; j < J; ++j) acc[h][j] = _mm512_fmadd_ps(wb, vr[j], acc[h][j]);
+    }
+  }
+  KVDECODE_UNROLL
+  for (int h = 0; h < H; ++h) KVDECODE_UNROLL
+  for (int j = 0; j < J; ++j)
+    _mm512_mask_storeu_ps(
+        o + static_cast<std::size_t>(h) * hs + d0 + 16 * static_cast<std::size_t>(j), m[j],
+        acc[h][j]);
+}
+
+/// f32_heads_pv_chunk_avx512 for H = 1..4 heads at a time.
+template <int J>
+KVDECODE_TARGET_AVX512 inline void f32_heads_pv_chunks_avx512(float* o, const float* p,
+                                                              std::size_t p_stride, const float* v,
+                                                              std::size_t stride, std::size_t rows,
+                                                              std::size_t hs, std::size_t heads,
+                                                              std::size_t d0) {
+  for (std::size_t h = 0; h < heads;) {
+    float* oh = o + h * hs;
+    const float* ph = p + h * p_stride;
+    switch (heads - h) {
+      case 1:
+        f32_heads_pv_chunk_avx512<J, 1>(oh, ph, p_stride, v, stride, rows, hs, d0);
+        h += 1;
+        break;
+      case 2:
+        f32_heads_pv_chunk_avx512<J, 2>(oh, ph, p_stride, v, stride, rows, hs, d0);
+        h += 2;
+        break;
+      case 3:
+        f32_heads_pv_chunk_avx512<J, 3>(oh, ph, p_stride, v, stride, rows, hs, d0);
+        h += 3;
+        break;
+      default:
+        f32_heads_pv_chunk_avx512<J, 4>(oh, ph, p_stride, v, stride, rows, hs, d0);
+        h += 4;
+        break;
+    }
+  }
+}
+
+/// o [heads][hs] += Σ_r p [h][p_stride] [r] · v [r][stride], 64 channels at a time; head by
+/// head the bits of f32_pv_avx512.
+KVDECODE_TARGET_AVX512 inline void f32_heads_pv_avx512(float* o, const float* p,
+                                                       std::size_t p_stride, const float* v,
+                                                       std::size_t stride, std::size_t rows,
+                                                       std::size_t hs, std::size_t heads) {
+  for (std::size_t d0 = 0; d0 < hs; d0 += 64) {
+    const std::size_t left = hs - d0;
+    if (left > 48) {
+      f32_heads_pv_chunks_avx512<4>(o, p, p_stride, v, stride, rows, hs, heads, d0);
+    } else if (left > 32) {
+      f32_heads_pv_chunks_avx512<3>(o, p, p_stride, v, stride, rows, hs, heads, d0);
+    } else if (left > 16) {
+      f32_heads_pv_chunks_avx512<2>(o, p, p_stride, v, stride, rows, hs, heads, d0);
+    } else {
+      f32_heads_pv_chunks_avx512<1>(o, p, p_stride, v, stride, rows, hs, heads, d0);
     }
   }
 }
@@ -1068,6 +1232,57 @@ inline void f32_row_pv(KernelSet ks, float* o, const float* p, const float* valu
 #endif
   static_cast<void>(ks);
   f32_row_pv_portable(o, p, values, stride, rows, hs);
+}
+
+/// f32_row_scores for the heads query heads that share the kv head of keys: s [heads][s_stride]
+/// (first rows of each), q [heads][hs]; the same bits as a call per head.
+inline void f32_heads_scores(KernelSet ks, float* s, std::size_t s_stride, const float* q,
+                             std::size_t heads, const float* keys, const float* values,
+                             const float* next_keys, std::size_t stride, std::size_t rows,
+                             std::size_t hs, float scale) {
+#if KVDECODE_X86_KERNELS
+  if (coded_attention_kernels(ks)) {
+    const F32RowDot rows_at{
+        q,    keys,   values, next_keys,
+        rows, stride, hs,     (kF32PrefetchBytes / sizeof(float) + stride - 1) / stride};
+    switch ((hs + 15) / 16) {
+      case 1:
+        return f32_heads_scores_avx512<1>(s, s_stride, q, heads, rows_at, scale);
+      case 2:
+        return f32_heads_scores_avx512<2>(s, s_stride, q, heads, rows_at, scale);
+      case 3:
+        return f32_heads_scores_avx512<3>(s, s_stride, q, heads, rows_at, scale);
+      case 4:
+        return f32_heads_scores_avx512<4>(s, s_stride, q, heads, rows_at, scale);
+      case 5:
+        return f32_heads_scores_avx512<5>(s, s_stride, q, heads, rows_at, scale);
+      case 6:
+        return f32_heads_scores_avx512<6>(s, s_stride, q, heads, rows_at, scale);
+      case 7:
+        return f32_heads_scores_avx512<7>(s, s_stride, q, heads, rows_at, scale);
+      case 8:
+        return f32_heads_scores_avx512<8>(s, s_stride, q, heads, rows_at, scale);
+      default:
+        break;
+    }
+  }
+#endif
+  for (std::size_t h = 0; h < heads; ++h)
+    f32_row_scores(ks, s + h * s_stride, q + h * hs, keys, values, next_keys, stride, rows, hs,
+                   scale);
+}
+
+/// f32_row_pv for heads query heads that share the kv head of values: o [heads][hs] += Σ_r p
+/// [h][p_stride] [r] · values [r][stride]; the same bits as a call per head.
+inline void f32_heads_pv(KernelSet ks, float* o, const float* p, std::size_t p_stride,
+                         const float* values, std::size_t stride, std::size_t rows, std::size_t hs,
+                         std::size_t heads) {
+#if KVDECODE_X86_KERNELS
+  if (coded_attention_kernels(ks))
+    return f32_heads_pv_avx512(o, p, p_stride, values, stride, rows, hs, heads);
+#endif
+  for (std::size_t h = 0; h < heads; ++h)
+    f32_row_pv(ks, o + h * hs, p + h * p_stride, values, stride, rows, hs);
 }
 
 }  // namespace kvdecode::detail

@@ -17,6 +17,7 @@
 #include "kvdecode/bf16.hpp"
 #include "kvdecode/detail/cpu.hpp"
 #include "kvdecode/detail/ops.hpp"
+#include "kvdecode/detail/prefetch.hpp"
 
 namespace kvdecode::detail {
 
@@ -81,7 +82,7 @@ inline constexpr std::size_t kGemvPrefetchBytes = 2048;
 
 /// Asks for the cache line kGemvPrefetchBytes past p. Past the matrix's end that address may be
 /// unmapped: a prefetch instruction never faults, and the address is formed as an integer.
-KVDECODE_TARGET_AVX2 inline void prefetch_weights_ahead(const void* p) {
+KVDECODE_TARGET_AVX2 KVDECODE_PREFETCH_INLINE void prefetch_weights_ahead(const void* p) {
   const std::uintptr_t ahead = reinterpret_cast<std::uintptr_t>(p) + kGemvPrefetchBytes;
   _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);
 }

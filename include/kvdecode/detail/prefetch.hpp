@@ -5,11 +5,20 @@
 
 #include <cstddef>
 
+// A function whose only effect is prefetches has no effect GCC 12 counts (the built-in touches
+// no memory it models), so GCC may take it for const and drop its calls before inlining it:
+// every prefetch-only helper is inlined first.
+#if defined(__GNUC__) || defined(__clang__)
+#define KVDECODE_PREFETCH_INLINE inline __attribute__((always_inline))
+#else
+#define KVDECODE_PREFETCH_INLINE inline
+#endif
+
 namespace kvdecode::detail {
 
 /// Requests the lines of [p, p + bytes) for reading (a no-op where the compiler has no
 /// prefetch built-in; a request never faults).
-inline void prefetch_bytes(const void* p, std::size_t bytes) {
+KVDECODE_PREFETCH_INLINE void prefetch_bytes(const void* p, std::size_t bytes) {
 #if defined(__GNUC__) || defined(__clang__)
   const auto* c = static_cast<const char*>(p);
   for (std::size_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o, 0, 3);

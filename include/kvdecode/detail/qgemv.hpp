@@ -144,7 +144,8 @@ KVDECODE_INTRINSICS_BEGIN
 inline constexpr std::size_t kGroupPrefetchBytes = 4096;
 
 /// Asks for the cache lines kGroupPrefetchBytes past block blk (bytes bytes long).
-KVDECODE_TARGET_AVX2 inline void prefetch_ahead(const std::uint8_t* blk, std::size_t bytes) {
+KVDECODE_TARGET_AVX2 KVDECODE_PREFETCH_INLINE void prefetch_ahead(const std::uint8_t* blk,
+                                                                  std::size_t bytes) {
   for (std::size_t l = 0; l < bytes; l += 64)
     _mm_prefetch(reinterpret_cast<const char*>(blk) + kGroupPrefetchBytes + l, _MM_HINT_T0);
 }

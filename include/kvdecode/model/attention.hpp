@@ -45,7 +45,7 @@ struct AttentionScratch {
         store_scratch_(store_scratch),
         n_threads_(n_threads == 0 ? 1 : n_threads),
         kv_mul_(static_cast<std::size_t>(cfg.kv_mul())),
-        scores(n_threads_ * max_queries * kTile),
+        scores(n_threads_ * score_rows() * kTile),
         row_max(n_threads_ * kv_mul_ * max_queries),
         row_sum(row_max.size()),
         query_sum(row_max.size()),
@@ -65,8 +65,8 @@ struct AttentionScratch {
     return (head_size + 31) / 32 * 32 + 2 * head_size + kTile;
   }
 
-  /// Thread t's score tile [max_queries][kTile] and store scratch [block_scratch_size()].
-  T* thread_scores(std::size_t t) { return scores.data() + t * max_queries_ * kTile; }
+  /// Thread t's score tile [score_rows()][kTile] and store scratch [block_scratch_size()].
+  T* thread_scores(std::size_t t) { return scores.data() + t * score_rows() * kTile; }
   std::span<T> thread_block(std::size_t t) {
     return block.span().subspan(t * store_scratch_, store_scratch_);
   }
@@ -91,6 +91,9 @@ struct AttentionScratch {
   }
   std::size_t n_threads() const { return n_threads_; }
   std::size_t max_queries() const { return max_queries_; }
+  /// Rows of a thread's score tile: one per query, or one per query head of a kv head when a
+  /// query attends to rows in place (all kv_mul heads' scores at once).
+  std::size_t score_rows() const { return std::max(max_queries_, kv_mul_); }
 
  private:
   std::size_t max_queries_ = 0;
@@ -99,7 +102,7 @@ struct AttentionScratch {
   std::size_t kv_mul_ = 1;
 
  public:
-  AlignedBuffer<T> scores;       // [n_threads][max_queries][kTile] scores, then probabilities
+  AlignedBuffer<T> scores;       // [n_threads][score_rows()][kTile] scores, then probabilities
   AlignedBuffer<T> row_max;      // [n_threads][kv_mul][max_queries] running max of each query
   AlignedBuffer<T> row_sum;      // [n_threads][kv_mul][max_queries] running Σ exp(score - max)
   AlignedBuffer<T> query_sum;    // [n_threads][kv_mul][max_queries] Σ of a query's channels
@@ -412,6 +415,43 @@ void attend_kv_head(const ModelConfig& cfg, const S& store, std::size_t layer, s
     // sinks and ring may share a tile): there vis may only be too large, and the mask below goes
     // by each run's own first position.
     const std::size_t tile_first = runs[0].first;
+    const auto taken_below = [&](const TileRun& run, std::size_t vis) {  // columns below vis
+      return run.col >= vis ? std::size_t{0} : std::min(run.rows, vis - run.col);
+    };
+    if constexpr (std::is_same_v<T, float>)
+      if (by_rows) {
+        // Query by query, the kv_mul heads together: each run's rows are read once for all of
+        // them (scores [kv_mul][cols]); per head the arithmetic of one head at a time.
+        for (std::size_t r = 0; r < n; ++r) {
+          const std::size_t qi = q_first + r;
+          if (qi < tile_first) continue;  // the whole tile in this query's future
+          const std::size_t vis = std::min(cols, qi - tile_first + 1);
+          const T* const qr = q + r * dim + g * kv_mul * hs;
+          T* const outr = out + r * dim + g * kv_mul * hs;
+          for (std::size_t k = 0; k < n_runs; ++k)
+            if (const std::size_t take = taken_below(runs[k], vis); take > 0)
+              detail::f32_heads_scores(
+                  ks, tile_scores + runs[k].col, cols, qr, kv_mul, runs[k].keys, runs[k].values,
+                  k + 1 < n_runs ? runs[k + 1].keys : nullptr, runs[k].stride, take, hs, scale);
+          for (std::size_t j = 0; j < kv_mul; ++j) {
+            T* const row = tile_scores + j * cols;
+            if constexpr (MaskingKvStore<S>)
+              for (std::size_t k = 0; k < n_runs; ++k)
+                for (std::size_t c = 0; c < taken_below(runs[k], vis); ++c)
+                  if (const std::size_t ki = runs[k].first + c; ki > qi || store.masks(qi, ki))
+                    row[runs[k].col + c] = neg_inf;
+            detail::online_softmax_row(row, vis, m_all[j * n + r], l_all[j * n + r], outr + j * hs,
+                                       hs, ks);
+          }
+          for (std::size_t k = 0; k < n_runs; ++k)
+            if (const std::size_t take = taken_below(runs[k], vis); take > 0)
+              detail::f32_heads_pv(ks, outr, tile_scores + runs[k].col, cols, runs[k].values,
+                                   runs[k].stride, take, hs, kv_mul);
+        }
+        n_runs = 0;
+        cols = 0;
+        return;
+      }
     for (std::size_t j = 0; j < kv_mul; ++j) {
       const std::size_t h = g * kv_mul + j;
       const detail::ConstStridedMap<T> qh(q + h * hs, ni, hsi, dims);
@@ -428,23 +468,12 @@ void attend_kv_head(const ModelConfig& cfg, const S& store, std::size_t layer, s
         const std::size_t vis = std::min(cols, q_hi - tile_first + 1);
         const auto r0i = static_cast<Eigen::Index>(r0);
         const auto rbi = static_cast<Eigen::Index>(rb);
-        const auto taken = [&](const TileRun& run) {  // the run's columns below vis
-          return run.col >= vis ? std::size_t{0} : std::min(run.rows, vis - run.col);
-        };
-        if constexpr (std::is_same_v<T, float>)
-          if (by_rows)
-            for (std::size_t r = r0; r < r0 + rb; ++r)
-              for (std::size_t k = 0; k < n_runs; ++k)
-                if (const std::size_t take = taken(runs[k]); take > 0)
-                  detail::f32_row_scores(ks, tile_scores + r * cols + runs[k].col,
-                                         q + r * dim + h * hs, runs[k].keys, runs[k].values,
-                                         k + 1 < n_runs ? runs[k + 1].keys : nullptr,
-                                         runs[k].stride, take, hs, scale);
+        const auto taken = [&](const TileRun& run) { return taken_below(run, vis); };
         if constexpr (std::is_same_v<T, float>)
           if (own_products)
             detail::attention_scores(ks, tile_scores + r0 * cols, cols, q + r0 * dim + h * hs, dim,
                                      kt, kTile, rb, vis, hs, scale);
-        for (std::size_t k = 0; k < n_products && !own_products && !by_rows; ++k) {
+        for (std::size_t k = 0; k < n_products && !own_products; ++k) {
           const TileRun& run = products[k];
           const std::size_t take = taken(run);
           if (take == 0) break;
@@ -482,16 +511,6 @@ void attend_kv_head(const ModelConfig& cfg, const S& store, std::size_t layer, s
           }
           detail::online_softmax_row(row, vis, m[r], l[r], out + r * dim + h * hs, hs, ks);
         }
-        if constexpr (std::is_same_v<T, float>)
-          if (by_rows) {
-            for (std::size_t r = r0; r < r0 + rb; ++r)
-              for (std::size_t k = 0; k < n_runs; ++k)
-                if (const std::size_t take = taken(runs[k]); take > 0)
-                  detail::f32_row_pv(ks, out + r * dim + h * hs,
-                                     tile_scores + r * cols + runs[k].col, runs[k].values,
-                                     runs[k].stride, take, hs);
-            continue;
-          }
         if constexpr (std::is_same_v<T, float>)
           if (own_products) {
             for (std::size_t k = 0; k < n_runs; ++k)
