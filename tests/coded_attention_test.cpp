@@ -235,8 +235,8 @@ TEST(CodedAttentionTest, F32RowKernelsMatchTheFormula) {
 }
 
 // The query heads that share a kv head, scored and summed together (f32_heads_scores,
-// f32_heads_pv): each head against the formula, and bit for bit the kernels above one head at a
-// time, which is what keeps a decode step's bits whatever the GQA ratio's kernel.
+// f32_heads_pv): each head against the formula, and bit for bit the same head alone (the
+// one-head forms above), so a head's attention does not depend on the heads beside it.
 TEST(CodedAttentionTest, F32HeadKernelsMatchTheFormulaAndOneHeadAtATime) {
   for (const KernelSet ks : supported_sets())
     for (const Shape sh : kShapes)
@@ -278,7 +278,7 @@ TEST(CodedAttentionTest, F32HeadKernelsMatchTheFormulaAndOneHeadAtATime) {
           detail::f32_row_scores(ks, one.data(), q.data() + h * hs, keys.data(), values.data(),
                                  next_keys, stride, rows, hs, scale);
           ASSERT_TRUE(std::equal(one.begin(), one.end(), s.begin() + static_cast<long>(h * cols)))
-              << where() << ": scores differ from one head's kernel";
+              << where() << ": scores differ from the head alone";
           for (std::size_t c = 0; c < hs; ++c) {
             double want = o0[h * hs + c], mag = std::abs(want);
             for (std::size_t r = 0; r < rows; ++r) {
@@ -293,7 +293,7 @@ TEST(CodedAttentionTest, F32HeadKernelsMatchTheFormulaAndOneHeadAtATime) {
           detail::f32_row_pv(ks, alone.data(), p.data() + h * cols, values.data(), stride, rows,
                              hs);
           ASSERT_TRUE(std::equal(alone.begin(), alone.end(), o.begin() + static_cast<long>(h * hs)))
-              << where() << ": p·v differs from one head's kernel";
+              << where() << ": p·v differs from the head alone";
         }
       }
 }

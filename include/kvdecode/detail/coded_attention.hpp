@@ -16,11 +16,13 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <utility>
 
 #include "kvdecode/detail/cpu.hpp"
 #include "kvdecode/detail/f16.hpp"
@@ -898,50 +900,6 @@ struct F32RowDot {
   }
 };
 
-/// o [hs] channels [d0, d0 + 16·J) += Σ_r p[r] · v[r] [stride], one multiply-add chain per
-/// channel from o's value, rows in order (a row arrives from memory slower than a chain step).
-template <int J>
-KVDECODE_TARGET_AVX512 inline void f32_pv_chunk_avx512(float* o, const float* p, const float* v,
-                                                       std::size_t stride, std::size_t rows,
-                                                       std::size_t hs, std::size_t d0) {
-  __mmask16 m[J];
-  __m512 acc[J];
-  KVDECODE_UNROLL
-  for (int j = 0; j < J; ++j) {
-    m[j] = coded_mask16(hs - d0 - 16 * static_cast<std::size_t>(j));
-    acc[j] = _mm512_maskz_loadu_ps(m[j], o + d0 + 16 * static_cast<std::size_t>(j));
-  }
-  for (std::size_t r = 0; r < rows; ++r) {
-    const float* row = v + r * stride + d0;
-    const __m512 wb = _mm512_set1_ps(p[r]);
-    KVDECODE_UNROLL
-    for (int j = 0; j < J; ++j)
-      acc[j] = _mm512_fmadd_ps(
-          wb, _mm512_maskz_loadu_ps(m[j], row + 16 * static_cast<std::size_t>(j)), acc[j]);
-  }
-  KVDECODE_UNROLL
-  for (int j = 0; j < J; ++j)
-    _mm512_mask_storeu_ps(o + d0 + 16 * static_cast<std::size_t>(j), m[j], acc[j]);
-}
-
-/// o [hs] += Σ_r p [r] · v [r][stride], 64 channels at a time.
-KVDECODE_TARGET_AVX512 inline void f32_pv_avx512(float* o, const float* p, const float* v,
-                                                 std::size_t stride, std::size_t rows,
-                                                 std::size_t hs) {
-  for (std::size_t d0 = 0; d0 < hs; d0 += 64) {
-    const std::size_t left = hs - d0;
-    if (left > 48) {
-      f32_pv_chunk_avx512<4>(o, p, v, stride, rows, hs, d0);
-    } else if (left > 32) {
-      f32_pv_chunk_avx512<3>(o, p, v, stride, rows, hs, d0);
-    } else if (left > 16) {
-      f32_pv_chunk_avx512<2>(o, p, v, stride, rows, hs, d0);
-    } else {
-      f32_pv_chunk_avx512<1>(o, p, v, stride, rows, hs, d0);
-    }
-  }
-}
-
 /// q · row as 16 partial sums, q held in J registers (the last masked by tail): F32RowDot's
 /// chain.
 template <int J>
@@ -1012,8 +970,16 @@ KVDECODE_TARGET_AVX512 inline void f32_heads_scores_avx512(float* s, std::size_t
   }
 }
 
+/// f32_heads_scores_avx512<J> for J = 1..8 (head sizes up to 128), by J - 1.
+template <std::size_t... I>
+constexpr auto f32_heads_scores_table(std::index_sequence<I...>) {
+  return std::array{&f32_heads_scores_avx512<static_cast<int>(I) + 1>...};
+}
+inline constexpr auto kF32HeadsScores = f32_heads_scores_table(std::make_index_sequence<8>{});
+
 /// o [heads][hs] += Σ_r p [h][p_stride] [r] · v [r][stride], channels [d0, d0 + 16·J) of H
-/// heads: each head's chains are f32_pv_chunk_avx512's, the H heads' run side by side so a
+/// heads: one multiply-add chain per 16 channels and head from o's value, rows in order (a row
+/// arrives from memory slower than a chain step); the H heads' chains run side by side, so a
 /// row's value lines are loaded once and H·J chains hide one another's latency.
 template <int J, int H>
 KVDECODE_TARGET_AVX512 inline void f32_heads_pv_chunk_avx512(float* o, const float* p,
@@ -1081,8 +1047,8 @@ KVDECODE_TARGET_AVX512 inline void f32_heads_pv_chunks_avx512(float* o, const fl
   }
 }
 
-/// o [heads][hs] += Σ_r p [h][p_stride] [r] · v [r][stride], 64 channels at a time; head by
-/// head the bits of f32_pv_avx512.
+/// o [heads][hs] += Σ_r p [h][p_stride] [r] · v [r][stride], 64 channels at a time; each head's
+/// bits the same whatever `heads`.
 KVDECODE_TARGET_AVX512 inline void f32_heads_pv_avx512(float* o, const float* p,
                                                        std::size_t p_stride, const float* v,
                                                        std::size_t stride, std::size_t rows,
@@ -1206,36 +1172,10 @@ inline void coded_pv_low_bit(KernelSet ks, float* o, const float* p, float* w,
   coded_pv_low_bit_portable(o, p, codes, bits, vmin, vstep, rows, hs);
 }
 
-/// s [rows] = q [hs] · keys [rows][stride] (first hs of each row) · scale, with set ks;
-/// values [rows][stride] are the rows p·v will read next and next_keys the next block's keys
-/// (or null), both requested while the keys are read.
-inline void f32_row_scores(KernelSet ks, float* s, const float* q, const float* keys,
-                           const float* values, const float* next_keys, std::size_t stride,
-                           std::size_t rows, std::size_t hs, float scale) {
-#if KVDECODE_X86_KERNELS
-  if (coded_attention_kernels(ks))
-    return coded_scores_avx512(
-        s, 0.0f, nullptr, nullptr, 0.0f, rows, scale,
-        F32RowDot{q, keys, values, next_keys, rows, stride, hs,
-                  (kF32PrefetchBytes / sizeof(float) + stride - 1) / stride});
-#endif
-  static_cast<void>(ks), static_cast<void>(values), static_cast<void>(next_keys);
-  f32_row_scores_portable(s, q, keys, stride, rows, hs, scale);
-}
-
-/// o [hs] += Σ_r p [r] · values [r][stride] (first hs of each row), with set ks: the same bits
-/// whether rows [a, c) come in one call or as [a, b) and [b, c).
-inline void f32_row_pv(KernelSet ks, float* o, const float* p, const float* values,
-                       std::size_t stride, std::size_t rows, std::size_t hs) {
-#if KVDECODE_X86_KERNELS
-  if (coded_attention_kernels(ks)) return f32_pv_avx512(o, p, values, stride, rows, hs);
-#endif
-  static_cast<void>(ks);
-  f32_row_pv_portable(o, p, values, stride, rows, hs);
-}
-
-/// f32_row_scores for the heads query heads that share the kv head of keys: s [heads][s_stride]
-/// (first rows of each), q [heads][hs]; the same bits as a call per head.
+/// s [heads][s_stride] (first rows of each) = q [heads][hs] · keys [rows][stride] (first hs of
+/// each row) · scale, with set ks, for the query heads that share the kv head of keys: values
+/// [rows][stride] are the rows p·v will read next and next_keys the next block's keys (or null),
+/// both requested while the keys are read. Each head's bits are the same whatever `heads`.
 inline void f32_heads_scores(KernelSet ks, float* s, std::size_t s_stride, const float* q,
                              std::size_t heads, const float* keys, const float* values,
                              const float* next_keys, std::size_t stride, std::size_t rows,
@@ -1245,35 +1185,32 @@ inline void f32_heads_scores(KernelSet ks, float* s, std::size_t s_stride, const
     const F32RowDot rows_at{
         q,    keys,   values, next_keys,
         rows, stride, hs,     (kF32PrefetchBytes / sizeof(float) + stride - 1) / stride};
-    switch ((hs + 15) / 16) {
-      case 1:
-        return f32_heads_scores_avx512<1>(s, s_stride, q, heads, rows_at, scale);
-      case 2:
-        return f32_heads_scores_avx512<2>(s, s_stride, q, heads, rows_at, scale);
-      case 3:
-        return f32_heads_scores_avx512<3>(s, s_stride, q, heads, rows_at, scale);
-      case 4:
-        return f32_heads_scores_avx512<4>(s, s_stride, q, heads, rows_at, scale);
-      case 5:
-        return f32_heads_scores_avx512<5>(s, s_stride, q, heads, rows_at, scale);
-      case 6:
-        return f32_heads_scores_avx512<6>(s, s_stride, q, heads, rows_at, scale);
-      case 7:
-        return f32_heads_scores_avx512<7>(s, s_stride, q, heads, rows_at, scale);
-      case 8:
-        return f32_heads_scores_avx512<8>(s, s_stride, q, heads, rows_at, scale);
-      default:
-        break;
+    if (const std::size_t j = (hs + 15) / 16; j <= kF32HeadsScores.size())
+      return kF32HeadsScores[j - 1](s, s_stride, q, heads, rows_at, scale);
+    for (std::size_t h = 0; h < heads; ++h) {  // a query too long to keep in registers
+      F32RowDot head = rows_at;
+      head.q = q + h * hs;
+      coded_scores_avx512(s + h * s_stride, 0.0f, nullptr, nullptr, 0.0f, rows, scale, head);
     }
+    return;
   }
 #endif
+  static_cast<void>(values), static_cast<void>(next_keys);
   for (std::size_t h = 0; h < heads; ++h)
-    f32_row_scores(ks, s + h * s_stride, q + h * hs, keys, values, next_keys, stride, rows, hs,
-                   scale);
+    f32_row_scores_portable(s + h * s_stride, q + h * hs, keys, stride, rows, hs, scale);
 }
 
-/// f32_row_pv for heads query heads that share the kv head of values: o [heads][hs] += Σ_r p
-/// [h][p_stride] [r] · values [r][stride]; the same bits as a call per head.
+/// f32_heads_scores for one head: s [rows].
+inline void f32_row_scores(KernelSet ks, float* s, const float* q, const float* keys,
+                           const float* values, const float* next_keys, std::size_t stride,
+                           std::size_t rows, std::size_t hs, float scale) {
+  f32_heads_scores(ks, s, rows, q, 1, keys, values, next_keys, stride, rows, hs, scale);
+}
+
+/// o [heads][hs] += Σ_r p [h][p_stride] [r] · values [r][stride] (first hs of each row), with
+/// set ks, for the query heads that share the kv head of values: one chain per channel in row
+/// order, so each head's bits are the same whatever `heads`, and whether rows [a, c) come in
+/// one call or as [a, b) and [b, c).
 inline void f32_heads_pv(KernelSet ks, float* o, const float* p, std::size_t p_stride,
                          const float* values, std::size_t stride, std::size_t rows, std::size_t hs,
                          std::size_t heads) {
@@ -1282,7 +1219,13 @@ inline void f32_heads_pv(KernelSet ks, float* o, const float* p, std::size_t p_s
     return f32_heads_pv_avx512(o, p, p_stride, values, stride, rows, hs, heads);
 #endif
   for (std::size_t h = 0; h < heads; ++h)
-    f32_row_pv(ks, o + h * hs, p + h * p_stride, values, stride, rows, hs);
+    f32_row_pv_portable(o + h * hs, p + h * p_stride, values, stride, rows, hs);
+}
+
+/// f32_heads_pv for one head: o [hs].
+inline void f32_row_pv(KernelSet ks, float* o, const float* p, const float* values,
+                       std::size_t stride, std::size_t rows, std::size_t hs) {
+  f32_heads_pv(ks, o, p, rows, values, stride, rows, hs, 1);
 }
 
 }  // namespace kvdecode::detail
