@@ -234,12 +234,25 @@ TEST(CodedAttentionTest, F32RowKernelsMatchTheFormula) {
     }
 }
 
+/// Whether a and b hold the same bits (so -0 differs from +0, and a NaN matches itself).
+bool same_bits(std::span<const float> a, std::span<const float> b) {
+  return std::equal(a.begin(), a.end(), b.begin(), b.end(), [](float x, float y) {
+    return std::bit_cast<std::uint32_t>(x) == std::bit_cast<std::uint32_t>(y);
+  });
+}
+
 // The query heads that share a kv head, scored and summed together (f32_heads_scores,
-// f32_heads_pv): each head against the formula, and bit for bit the same head alone (the
-// one-head forms above), so a head's attention does not depend on the heads beside it.
+// f32_heads_pv): each head against the formula in double; bit for bit the same head alone (a
+// head's attention does not depend on the heads beside it); and in the AVX-512 sets bit for bit
+// the arithmetic they promise, written out here: scores as F32RowDot's chains reduced by
+// coded_scores_avx512 (the one-query kernel they replaced), p·v as one f32 fused multiply-add
+// chain per channel from o's value, rows in order.
 TEST(CodedAttentionTest, F32HeadKernelsMatchTheFormulaAndOneHeadAtATime) {
+  std::vector<Shape> shapes(std::begin(kShapes), std::end(kShapes));
+  shapes.push_back({100, 21});  // seven 16-lane chunks, the last partial
+  shapes.push_back({112, 16});
   for (const KernelSet ks : supported_sets())
-    for (const Shape sh : kShapes)
+    for (const Shape sh : shapes)
       for (const std::size_t heads : {1, 2, 3, 4, 5, 8}) {
         detail::SplitMix64 rng(sh.hs * 89 + sh.rows * 7 + heads);
         const std::size_t hs = sh.hs, rows = sh.rows, stride = hs + 5, cols = rows + 3;
@@ -264,20 +277,23 @@ TEST(CodedAttentionTest, F32HeadKernelsMatchTheFormulaAndOneHeadAtATime) {
                    std::to_string(rows) + " head " + std::to_string(h) + " of " +
                    std::to_string(heads);
           };
+          const std::span<const float> sh_scores(s.data() + h * cols, rows);
+          const std::span<const float> sh_out(o.data() + h * hs, hs);
           for (std::size_t r = 0; r < rows; ++r) {
             double dot = 0, mag = 0;
             for (std::size_t c = 0; c < hs; ++c) {
               dot += double{q[h * hs + c]} * keys[r * stride + c];
               mag += std::abs(double{q[h * hs + c]} * keys[r * stride + c]);
             }
-            ASSERT_NEAR(s[h * cols + r], dot * scale,
+            ASSERT_NEAR(sh_scores[r], dot * scale,
                         static_cast<double>(hs + 2) * kUnit * mag * scale)
                 << where() << " row " << r;
           }
-          ASSERT_EQ(s[h * cols + rows], -1.0f) << where() << ": wrote past its rows";
+          for (std::size_t c = rows; c < cols; ++c)
+            ASSERT_EQ(s[h * cols + c], -1.0f) << where() << ": wrote past its rows";
           detail::f32_row_scores(ks, one.data(), q.data() + h * hs, keys.data(), values.data(),
                                  next_keys, stride, rows, hs, scale);
-          ASSERT_TRUE(std::equal(one.begin(), one.end(), s.begin() + static_cast<long>(h * cols)))
+          ASSERT_TRUE(same_bits(one, sh_scores))
               << where() << ": scores differ from the head alone";
           for (std::size_t c = 0; c < hs; ++c) {
             double want = o0[h * hs + c], mag = std::abs(want);
@@ -285,15 +301,30 @@ TEST(CodedAttentionTest, F32HeadKernelsMatchTheFormulaAndOneHeadAtATime) {
               want += double{p[h * cols + r]} * values[r * stride + c];
               mag += std::abs(double{p[h * cols + r]} * values[r * stride + c]);
             }
-            ASSERT_NEAR(o[h * hs + c], want, static_cast<double>(2 * rows + 2) * kUnit * mag)
+            ASSERT_NEAR(sh_out[c], want, static_cast<double>(2 * rows + 2) * kUnit * mag)
                 << where() << " channel " << c;
           }
           std::vector<float> alone(o0.begin() + static_cast<long>(h * hs),
                                    o0.begin() + static_cast<long>((h + 1) * hs));
           detail::f32_row_pv(ks, alone.data(), p.data() + h * cols, values.data(), stride, rows,
                              hs);
-          ASSERT_TRUE(std::equal(alone.begin(), alone.end(), o.begin() + static_cast<long>(h * hs)))
-              << where() << ": p·v differs from the head alone";
+          ASSERT_TRUE(same_bits(alone, sh_out)) << where() << ": p·v differs from the head alone";
+          if (!detail::coded_attention_kernels(ks)) continue;
+          std::vector<float> chain(o0.begin() + static_cast<long>(h * hs),
+                                   o0.begin() + static_cast<long>((h + 1) * hs));
+          for (std::size_t c = 0; c < hs; ++c)
+            for (std::size_t r = 0; r < rows; ++r)
+              chain[c] = std::fma(p[h * cols + r], values[r * stride + c], chain[c]);
+          ASSERT_TRUE(same_bits(chain, sh_out)) << where() << ": p·v is not one chain per channel";
+#if KVDECODE_X86_KERNELS
+          std::vector<float> reduced(rows);
+          detail::coded_scores_avx512(
+              reduced.data(), 0.0f, nullptr, nullptr, 0.0f, rows, scale,
+              detail::F32RowDot{q.data() + h * hs, keys.data(), values.data(), next_keys, rows,
+                                stride, hs, 1});
+          ASSERT_TRUE(same_bits(reduced, sh_scores))
+              << where() << ": scores differ from F32RowDot's reduction";
+#endif
         }
       }
 }

@@ -1,4 +1,5 @@
-// Attention's two products for one query against one block of rows read in place, in the
+// Attention's two products for one query (its heads that share a kv head, for f32 rows)
+// against one block of rows read in place, in the
 // run-time kernel sets of cpu.hpp: f32 rows (a decode step over a store of floats), and the
 // quantized stores' codes. The codes are multiplied in registers, the scales folded in after
 // the sum, so no row is dequantized into memory: in the avx512 set widened to f32 against the
@@ -1195,7 +1196,7 @@ inline void f32_heads_scores(KernelSet ks, float* s, std::size_t s_stride, const
     return;
   }
 #endif
-  static_cast<void>(values), static_cast<void>(next_keys);
+  static_cast<void>(ks), static_cast<void>(values), static_cast<void>(next_keys);
   for (std::size_t h = 0; h < heads; ++h)
     f32_row_scores_portable(s + h * s_stride, q + h * hs, keys, stride, rows, hs, scale);
 }
@@ -1218,6 +1219,7 @@ inline void f32_heads_pv(KernelSet ks, float* o, const float* p, std::size_t p_s
   if (coded_attention_kernels(ks))
     return f32_heads_pv_avx512(o, p, p_stride, values, stride, rows, hs, heads);
 #endif
+  static_cast<void>(ks);
   for (std::size_t h = 0; h < heads; ++h)
     f32_row_pv_portable(o + h * hs, p + h * p_stride, values, stride, rows, hs);
 }

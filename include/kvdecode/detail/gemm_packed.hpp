@@ -16,6 +16,7 @@
 #include "kvdecode/bf16.hpp"
 #include "kvdecode/detail/cpu.hpp"
 #include "kvdecode/detail/gemm.hpp"  // kPanelRows, KVDECODE_UNROLL (gemv.hpp)
+#include "kvdecode/detail/prefetch.hpp"
 #include "kvdecode/detail/transpose.hpp"
 
 namespace kvdecode::detail {
@@ -50,7 +51,7 @@ struct NextWeights {
     return hi > lo ? NextWeights{p + lo, hi - lo} : NextWeights{};
   }
   /// Asks for lines [first, last) of these bytes (those that exist).
-  void lines(std::size_t first, std::size_t last) const {
+  KVDECODE_PREFETCH_INLINE void lines(std::size_t first, std::size_t last) const {
 #if defined(__GNUC__)
     for (std::size_t o = first * 64; o < last * 64 && o < bytes; o += 64)
       __builtin_prefetch(p + o, 0, 2);

@@ -320,7 +320,8 @@ void attend_kv_head_coded(const ModelConfig& cfg, const S& store, std::size_t la
 /// tile of several blocks is copied into one [kTile][head_size] key tile and value tile, then
 /// computed as the contiguous store's tile is (the same bits); the kernel set's products pack
 /// the keys anyway and take p·v per block; up to kMaxRowQueries f32 queries read the blocks in
-/// place, each row's score on its own and p·v in row order (the same bits too). A store that
+/// place, query by query with the kv_mul heads together, each row's score on its own and p·v
+/// in row order (the same bits too). A store that
 /// decodes into scratch (block_scratch_size() > 0) hands a block valid only during its
 /// callback, so its tiles end at every block.
 template <class T, KvStore S>
@@ -348,7 +349,7 @@ void attend_kv_head(const ModelConfig& cfg, const S& store, std::size_t layer, s
 
   // Queries whose scores are computed together against the columns the last of them sees.
   constexpr std::size_t kQueryBlock = 32;
-  T* const tile_scores = scratch.thread_scores(t);  // [n][cols] of the current tile
+  T* const tile_scores = scratch.thread_scores(t);  // [n][cols], by rows [kv_mul][cols]
   T* const m_all = scratch.thread_row_max(t);       // [kv_mul][n]
   T* const l_all = scratch.thread_row_sum(t);       // [kv_mul][n]
   for (std::size_t j = 0; j < kv_mul; ++j) {
@@ -433,16 +434,15 @@ void attend_kv_head(const ModelConfig& cfg, const S& store, std::size_t layer, s
               detail::f32_heads_scores(
                   ks, tile_scores + runs[k].col, cols, qr, kv_mul, runs[k].keys, runs[k].values,
                   k + 1 < n_runs ? runs[k + 1].keys : nullptr, runs[k].stride, take, hs, scale);
-          for (std::size_t j = 0; j < kv_mul; ++j) {
-            T* const row = tile_scores + j * cols;
-            if constexpr (MaskingKvStore<S>)
-              for (std::size_t k = 0; k < n_runs; ++k)
-                for (std::size_t c = 0; c < taken_below(runs[k], vis); ++c)
-                  if (const std::size_t ki = runs[k].first + c; ki > qi || store.masks(qi, ki))
-                    row[runs[k].col + c] = neg_inf;
-            detail::online_softmax_row(row, vis, m_all[j * n + r], l_all[j * n + r], outr + j * hs,
-                                       hs, ks);
-          }
+          if constexpr (MaskingKvStore<S>)  // the same mask for every head
+            for (std::size_t k = 0; k < n_runs; ++k)
+              for (std::size_t c = 0; c < taken_below(runs[k], vis); ++c)
+                if (const std::size_t ki = runs[k].first + c; ki > qi || store.masks(qi, ki))
+                  for (std::size_t j = 0; j < kv_mul; ++j)
+                    tile_scores[j * cols + runs[k].col + c] = neg_inf;
+          for (std::size_t j = 0; j < kv_mul; ++j)
+            detail::online_softmax_row(tile_scores + j * cols, vis, m_all[j * n + r],
+                                       l_all[j * n + r], outr + j * hs, hs, ks);
           for (std::size_t k = 0; k < n_runs; ++k)
             if (const std::size_t take = taken_below(runs[k], vis); take > 0)
               detail::f32_heads_pv(ks, outr, tile_scores + runs[k].col, cols, runs[k].values,
