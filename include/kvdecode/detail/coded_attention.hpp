@@ -941,6 +941,7 @@ KVDECODE_TARGET_AVX512 inline __m512 f32_group_scores_avx512(const __m512* qv,
       acc[i] = f32_dot_avx512<J>(qv, k0 + i * rows_at.stride, tail);
     }
   }
+  // + 0 as coded_scores_avx512 adds its bias: the same bits, a -0 sum included.
   return _mm512_add_ps(reduce16_avx512(acc), _mm512_setzero_ps());
 }
 

@@ -380,38 +380,6 @@ void attend_kv_head(const ModelConfig& cfg, const S& store, std::size_t layer, s
 
   const auto flush = [&] {
     if (cols == 0) return;
-    if constexpr (std::is_same_v<T, float>)
-      if (own_products)
-        for (std::size_t k = 0; k < n_runs; ++k)
-          detail::pack_keys(ks, kt, kTile, runs[k].col, runs[k].keys, runs[k].stride, runs[k].rows,
-                            hs);
-    // Eigen's products take a tile of several blocks as a copy of its rows, [cols][hs] like a
-    // contiguous store's tile: one GEMV per tile instead of one per 16-row block, and the same
-    // arithmetic as the contiguous store, so a fragmented table gives the same bits.
-    TileRun packed{};
-    const TileRun* products = runs.data();  // [n_products]
-    std::size_t n_products = n_runs;
-    if (!own_products && !by_rows && n_runs > 1) {
-      T* const gk = scratch.thread_gathered(t);  // [kTile][hs]
-      T* const gv = gk + kTile * hs;             // [kTile][hs]
-      for (std::size_t k = 0; k < n_runs; ++k) {
-        const TileRun& run = runs[k];
-        assert(run.first == runs[0].first + run.col);  // a tile's rows are consecutive in cache
-        if (run.stride == hs) {
-          std::copy_n(run.keys, run.rows * hs, gk + run.col * hs);
-          std::copy_n(run.values, run.rows * hs, gv + run.col * hs);
-        } else {
-          for (std::size_t c = 0; c < run.rows; ++c) {
-            std::copy_n(run.keys + c * run.stride, hs, gk + (run.col + c) * hs);
-            std::copy_n(run.values + c * run.stride, hs, gv + (run.col + c) * hs);
-          }
-        }
-      }
-      packed = TileRun{gk, gv, hs, runs[0].first, 0, cols};
-      products = &packed;
-      n_products = 1;
-    }
-    const auto ci = static_cast<Eigen::Index>(cols);
     // A tile's columns are consecutive positions for every store but a masking one (a window's
     // sinks and ring may share a tile): there vis may only be too large, and the mask below goes
     // by each run's own first position.
@@ -452,6 +420,38 @@ void attend_kv_head(const ModelConfig& cfg, const S& store, std::size_t layer, s
         cols = 0;
         return;
       }
+    if constexpr (std::is_same_v<T, float>)
+      if (own_products)
+        for (std::size_t k = 0; k < n_runs; ++k)
+          detail::pack_keys(ks, kt, kTile, runs[k].col, runs[k].keys, runs[k].stride, runs[k].rows,
+                            hs);
+    // Eigen's products take a tile of several blocks as a copy of its rows, [cols][hs] like a
+    // contiguous store's tile: one GEMV per tile instead of one per 16-row block, and the same
+    // arithmetic as the contiguous store, so a fragmented table gives the same bits.
+    TileRun packed{};
+    const TileRun* products = runs.data();  // [n_products]
+    std::size_t n_products = n_runs;
+    if (!own_products && n_runs > 1) {
+      T* const gk = scratch.thread_gathered(t);  // [kTile][hs]
+      T* const gv = gk + kTile * hs;             // [kTile][hs]
+      for (std::size_t k = 0; k < n_runs; ++k) {
+        const TileRun& run = runs[k];
+        assert(run.first == runs[0].first + run.col);  // a tile's rows are consecutive in cache
+        if (run.stride == hs) {
+          std::copy_n(run.keys, run.rows * hs, gk + run.col * hs);
+          std::copy_n(run.values, run.rows * hs, gv + run.col * hs);
+        } else {
+          for (std::size_t c = 0; c < run.rows; ++c) {
+            std::copy_n(run.keys + c * run.stride, hs, gk + (run.col + c) * hs);
+            std::copy_n(run.values + c * run.stride, hs, gv + (run.col + c) * hs);
+          }
+        }
+      }
+      packed = TileRun{gk, gv, hs, runs[0].first, 0, cols};
+      products = &packed;
+      n_products = 1;
+    }
+    const auto ci = static_cast<Eigen::Index>(cols);
     for (std::size_t j = 0; j < kv_mul; ++j) {
       const std::size_t h = g * kv_mul + j;
       const detail::ConstStridedMap<T> qh(q + h * hs, ni, hsi, dims);
