@@ -1,10 +1,11 @@
 // The optimised kernels of every kernel set this CPU supports against naive loops written here:
 // GEMV (f32, bf16), the few-token GEMMs (gemm_few also against each token's GEMV; gemm_lanes of
 // batched steps also against its fma chain and the same token alone), the packed GEMM and its
-// panel pack, attention's softmax exp, the projection scheduler (linear_group) at 1/2/3 threads,
-// SwiGLU, the int8 and 4-bit dequantization, the kernel-set choice, the thread pool, bf16 rounding
-// and threaded attention. Odd sizes (columns 1..70 and 95, 129, 295; rows not multiples of any
-// block; 1..16 tokens) cover every tail path. A set the CPU lacks is skipped by name.
+// panel pack (f32 panels and bf16 pairs), attention's softmax exp, the projection scheduler
+// (linear_group) at 1/2/3 threads, SwiGLU, the int8 and 4-bit dequantization, the kernel-set
+// choice, the thread pool, bf16 rounding and threaded attention. Odd sizes (columns 1..70 and 95,
+// 129, 295; rows not multiples of any block; 1..16 tokens) cover every tail path. A set the CPU
+// lacks is skipped by name.
 //
 // f32 bound: a sum of n products computed in f32 in any order is within γ_n·Σ|w_i x_i| of the
 // exact sum, γ_n ≈ n·2^-24 (Higham, Accuracy and Stability, §3.1); the naive loop sums in double.
@@ -276,6 +277,65 @@ TEST_P(KernelSetTest, GemmPackedMatchesNaive) {
     GTEST_SKIP() << kernel_set_name(ks()) << " has no packed GEMM (Eigen's GEMM serves it)";
   check_gemm_packed<float>(ks());
   check_gemm_packed<bf16>(ks());
+}
+
+// gemm_packed_pairs (bf16 weights times x rounded to bf16 rows, a pair of products per
+// instruction) as check_gemm_packed checks gemm_packed, against the naive loop over x rounded by
+// bf16.hpp: the rows it takes hold bf16(x) and a zero pad, the pair panel holds the weights in
+// pairs, every output is within the f32 bound of a sum of `cols` products, columns outside the
+// slice are not written.
+TEST_P(KernelSetTest, GemmPackedPairsMatchesNaive) {
+  if (!detail::has_gemm_packed_pairs<float, bf16>(ks()))
+    GTEST_SKIP() << kernel_set_name(ks()) << " has no bf16-pair GEMM (the f32 panels serve it)";
+  for (const std::size_t n : {17, 18, 23, 64})
+    for (const std::size_t rows : {1, 17, 40, 64, 65, 97, 130})
+      for (const std::size_t cols : {1, 2, 9, 16, 33, 64, 129, 295}) {
+        const auto w = random_vector<bf16>(rows * cols, rows * 1000 + cols);
+        const auto x = random_vector<float>(n * cols, n * 7 + cols);  // [n][cols]
+        const std::size_t ld = detail::pair_depth(cols);
+        ASSERT_EQ(ld % 2, 0u);
+        ASSERT_LE(ld - cols, 1u);
+        std::vector<bf16> xb(n * ld, bf16(std::numeric_limits<float>::quiet_NaN()));
+        detail::round_rows_to_pairs(xb.data(), x.data(), n, cols);
+        for (std::size_t t = 0; t < n; ++t)
+          for (std::size_t c = 0; c < ld; ++c) {
+            const float want = c < cols ? static_cast<float>(bf16(x[t * cols + c])) : 0.0f;
+            ASSERT_EQ(std::bit_cast<std::uint32_t>(static_cast<float>(xb[t * ld + c])),
+                      std::bit_cast<std::uint32_t>(want))
+                << "x row " << t << " column " << c << " of " << cols;
+          }
+        const std::size_t c0 = rows > 1 ? 1 : 0;
+        AlignedBuffer<bf16> panel(detail::kPanelRows * ld);
+        std::vector<float> y(n * rows, std::numeric_limits<float>::quiet_NaN());  // [n][rows]
+        detail::gemm_packed_pairs(y.data(), xb.data(), w.data(), n, cols, rows, c0, rows,
+                                  panel.data());
+        if (rows - c0 <= detail::kPanelRows) {  // one panel: the last one packed
+          for (std::size_t p = 0; p < ld / 2; ++p)
+            for (std::size_t j = 0; j < rows - c0; ++j)
+              for (std::size_t h = 0; h < 2; ++h) {
+                const std::size_t k = 2 * p + h;
+                const float want = k < cols ? static_cast<float>(w[(c0 + j) * cols + k]) : 0.0f;
+                ASSERT_EQ(static_cast<float>(panel.data()[2 * (p * detail::kPanelRows + j) + h]),
+                          want)
+                    << rows << "×" << cols << " weight row " << c0 + j << " depth " << k;
+              }
+        }
+        for (std::size_t t = 0; t < n; ++t) {
+          const std::vector<float> xt(x.begin() + static_cast<std::ptrdiff_t>(t * cols),
+                                      x.begin() + static_cast<std::ptrdiff_t>((t + 1) * cols));
+          std::vector<double> ref, mag;
+          naive_gemv(w, xt, rows, cols, x_bf16, ref, mag);
+          for (std::size_t r = 0; r < rows; ++r) {
+            const float got = y[t * rows + r];
+            if (r < c0) {
+              ASSERT_TRUE(std::isnan(got)) << "column outside the slice was written";
+              continue;
+            }
+            ASSERT_LE(std::abs(got - ref[r]), static_cast<double>(cols) * 0x1p-24 * mag[r])
+                << n << " tokens " << rows << "×" << cols << " token " << t << " row " << r;
+          }
+        }
+      }
 }
 
 /// The panel pack of every set against the transpose written here: panel[k][j] = w[j][k]

@@ -31,6 +31,41 @@ inline void round_to_bf16(const float* x, float* out, std::size_t count) {
   for (std::size_t i = 0; i < count; ++i) out[i] = static_cast<float>(bf16(x[i]));
 }
 
+#if KVDECODE_X86_KERNELS
+KVDECODE_INTRINSICS_BEGIN
+/// a [n][lda] = x [n][in] rounded to bf16 (lda ≥ in, even), columns past in zero: the rows the
+/// bf16 × bf16 products (vdpbf16ps, AMX tiles) take. VCVTNE2PS2BF16 rounds to nearest-even as
+/// bf16.hpp does, except that it flushes subnormal inputs to zero, which those instructions do to
+/// subnormal bf16 inputs anyway: the products are the same.
+KVDECODE_TARGET_AVX512BF16 inline void round_rows_bf16_avx512bf16(bf16* a, std::size_t lda,
+                                                                  const float* x, std::size_t n,
+                                                                  std::size_t in) {
+  const auto mask = [](std::size_t c, std::size_t end) {  // lanes of [c, c + 16) before end
+    const std::size_t left = c < end ? std::min<std::size_t>(16, end - c) : 0;
+    return static_cast<__mmask16>(left == 16 ? 0xFFFFu : (1u << left) - 1u);
+  };
+  for (std::size_t t = 0; t < n; ++t) {
+    const float* row = x + t * in;
+    bf16* dst = a + t * lda;
+    std::size_t c = 0;
+    for (; c + 32 <= in; c += 32) {
+      const __m512bh v =
+          _mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + c + 16), _mm512_loadu_ps(row + c));
+      _mm512_storeu_si512(dst + c, reinterpret_cast<const __m512i&>(v));
+    }
+    for (; c < lda; c += 32) {  // the row's tail and the zero pad, 32 columns at a time
+      const __m512 lo = _mm512_maskz_loadu_ps(mask(c, in), row + c);
+      const __m512 hi = _mm512_maskz_loadu_ps(mask(c + 16, in), row + c + 16);
+      const __m512bh v = _mm512_cvtne2ps_pbh(hi, lo);
+      const auto m = static_cast<__mmask32>(mask(c, lda)) |
+                     static_cast<__mmask32>(static_cast<__mmask32>(mask(c + 16, lda)) << 16);
+      _mm512_mask_storeu_epi16(dst + c, m, reinterpret_cast<const __m512i&>(v));
+    }
+  }
+}
+KVDECODE_INTRINSICS_END
+#endif  // KVDECODE_X86_KERNELS
+
 /// y [n][out] columns [c0, c1) = x [n][in] · w [c0..c1)[in]ᵀ. `panel` is this thread's
 /// scratch of kPanelRows × in elements, used only when W is not T; then x must already be
 /// rounded to bf16 (round_to_bf16), so that the widened products are the GEMV's.

@@ -71,33 +71,6 @@ inline AmxTileConfig amx_config(std::size_t m0, std::size_t m1) {
   return c;
 }
 
-/// a [n][amx_lda(in)] = x [n][in] rounded to bf16, columns past in zero. VCVTNE2PS2BF16 rounds
-/// to nearest-even as bf16.hpp does, except that it flushes subnormal inputs to zero, which
-/// TDPBF16PS does to subnormal bf16 inputs anyway: the products are the same.
-KVDECODE_TARGET_AMX inline void pack_x_amx_avx512(bf16* a, const float* x, std::size_t n,
-                                                  std::size_t in) {
-  const std::size_t lda = amx_lda(in);
-  const auto mask = [in](std::size_t c) {  // lanes of x's columns [c, c + 16) inside the row
-    const std::size_t left = c < in ? std::min<std::size_t>(16, in - c) : 0;
-    return static_cast<__mmask16>(left == 16 ? 0xFFFFu : (1u << left) - 1u);
-  };
-  for (std::size_t t = 0; t < n; ++t) {
-    const float* row = x + t * in;
-    std::size_t c = 0;
-    for (; c + 32 <= in; c += 32) {
-      const __m512bh v =
-          _mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + c + 16), _mm512_loadu_ps(row + c));
-      _mm512_storeu_si512(a + t * lda + c, reinterpret_cast<const __m512i&>(v));
-    }
-    if (c < lda) {
-      const __m512 lo = _mm512_maskz_loadu_ps(mask(c), row + c);
-      const __m512 hi = _mm512_maskz_loadu_ps(mask(c + 16), row + c + 16);
-      const __m512bh v = _mm512_cvtne2ps_pbh(hi, lo);
-      _mm512_storeu_si512(a + t * lda + c, reinterpret_cast<const __m512i&>(v));
-    }
-  }
-}
-
 /// panel [2][amx_lda(in) / 32][16][16][2] = w [cols][in] re-laid for B tiles: for each half of
 /// the 32 outputs and each depth block of 32, row p holds (w[j][2p], w[j][2p + 1]) for the half's
 /// 16 outputs j. Outputs past cols and depths past in are zero. (Each half is one block of 16
@@ -233,7 +206,7 @@ KVDECODE_INTRINSICS_END
 /// Rounds x [n][in] to bf16 into a [n][amx_lda(in)] (amx_applies must hold: the AVX-512 kernel).
 inline void pack_x_amx(bf16* a, const float* x, std::size_t n, std::size_t in) {
 #if KVDECODE_AMX_KERNELS
-  pack_x_amx_avx512(a, x, n, in);
+  round_rows_bf16_avx512bf16(a, amx_lda(in), x, n, in);
 #else
   static_cast<void>(a), static_cast<void>(x), static_cast<void>(n), static_cast<void>(in);
 #endif

@@ -6,11 +6,15 @@
 // AVX2 tiles still run the whole depth per tile of tokens.
 // Every output sums `in` in index order, in blocks of kPackedDepth added to y; with bf16 weights x
 // must already be rounded to bf16 (round_to_bf16), so every product is exact as the GEMV's
-// (gemv.hpp's rule).
+// (gemv.hpp's rule). gemm_packed_pairs, the avx512bf16 set's GEMM of bf16 weights, keeps the
+// panel in bf16, two depths to a dword, and multiplies it by x rounded to bf16 rows with
+// vdpbf16ps: the same exact products, two per lane and instruction.
 #pragma once
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #include "kvdecode/bf16.hpp"
@@ -287,6 +291,119 @@ KVDECODE_TARGET_AVX2 inline void packed_panel_avx2(float* y, std::size_t y_strid
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// bf16 pairs (the avx512bf16 set, bf16 weights): the panel keeps the weights as bf16, depths 2p
+// and 2p + 1 of a row in one dword, and x comes as bf16 rows; vdpbf16ps adds a lane's two exact
+// products to its f32 sum, so one instruction does the work of two f32 fmas at the same rate.
+// ---------------------------------------------------------------------------------------------
+
+/// panel [pair_depth(in) / 2][kPanelRows] dwords = w [rows][in] as bf16 pairs: dword
+/// p · kPanelRows + j holds (w[j][2p], w[j][2p + 1]), a depth past in zero; rows past `rows` up
+/// to the next multiple of 16 are zero. 16 rows × 16 pairs at a time, transposed as dwords.
+KVDECODE_TARGET_AVX512 inline void pack_pairs_avx512(bf16* panel, const bf16* w, std::size_t rows,
+                                                     std::size_t in) {
+  for (std::size_t j0 = 0; j0 < rows; j0 += 16) {
+    const std::size_t jn = std::min<std::size_t>(16, rows - j0);
+    for (std::size_t k0 = 0; k0 < in; k0 += 32) {
+      const std::size_t kn = std::min<std::size_t>(32, in - k0);
+      const auto m = static_cast<__mmask32>(kn == 32 ? ~0u : (1u << kn) - 1u);
+      __m512i r[16];  // r[j]: weight row j0 + j, depths [k0, k0 + 32)
+      for (std::size_t j = 0; j < 16; ++j)
+        r[j] =
+            j < jn ? _mm512_maskz_loadu_epi16(m, w + (j0 + j) * in + k0) : _mm512_setzero_si512();
+      transpose_16x16(r);  // r[p]: pair k0 / 2 + p of weight rows [j0, j0 + 16)
+      for (std::size_t p = 0; p < (kn + 1) / 2; ++p)
+        _mm512_storeu_si512(panel + 2 * ((k0 / 2 + p) * kPanelRows + j0), r[p]);
+    }
+  }
+}
+
+/// packed_tile_avx512 on pairs: y rows [0, R) columns [0, cols) (+)= x [R][2 p0, 2 p1) · panel
+/// pairs [p0, p1), x rows ldx bf16 apart; stored when p0 = 0, else added to y.
+template <int R, int C>
+KVDECODE_TARGET_AVX512BF16 inline void pairs_tile_avx512bf16(float* y, std::size_t y_stride,
+                                                             const bf16* x, std::size_t ldx,
+                                                             const bf16* panel, std::size_t cols,
+                                                             std::size_t p0, std::size_t p1,
+                                                             NextWeights next = {}) {
+  __mmask16 m[C];
+  KVDECODE_UNROLL
+  for (int j = 0; j < C; ++j) {
+    const std::size_t lo = 16 * static_cast<std::size_t>(j);
+    const std::size_t left = cols > lo ? cols - lo : 0;
+    m[j] = static_cast<__mmask16>(left >= 16 ? 0xFFFFu : (1u << left) - 1u);
+  }
+  __m512 acc[R][C];
+  KVDECODE_UNROLL
+  for (int i = 0; i < R; ++i) KVDECODE_UNROLL
+  for (int j = 0; j < C; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (std::size_t p = p0; p < p1; ++p) {
+    next.lines(p - p0, p - p0 + 1);
+    const bf16* q = panel + 2 * p * kPanelRows;
+    __m512bh w[C];
+    KVDECODE_UNROLL
+    for (int j = 0; j < C; ++j) w[j] = (__m512bh)_mm512_loadu_si512(q + 32 * j);
+    KVDECODE_UNROLL
+    for (int i = 0; i < R; ++i) {
+      std::int32_t pair;  // x's depths 2p, 2p + 1 of token i
+      std::memcpy(&pair, x + static_cast<std::size_t>(i) * ldx + 2 * p, sizeof pair);
+      const auto xb = (__m512bh)_mm512_set1_epi32(pair);
+      KVDECODE_UNROLL
+      for (int j = 0; j < C; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], w[j], xb);
+    }
+  }
+  KVDECODE_UNROLL
+  for (int i = 0; i < R; ++i) KVDECODE_UNROLL
+  for (int j = 0; j < C; ++j) {
+    float* out = y + static_cast<std::size_t>(i) * y_stride + 16 * j;
+    const __m512 sum =
+        p0 == 0 ? acc[i][j] : _mm512_add_ps(_mm512_maskz_loadu_ps(m[j], out), acc[i][j]);
+    _mm512_mask_storeu_ps(out, m[j], sum);
+  }
+}
+
+/// packed_tiles_avx512 on pairs: depth blocks of kPackedDepth (kPackedDepth / 2 pairs) outer,
+/// tiles of R tokens inner, then pairs and a single token.
+template <int R, int C>
+KVDECODE_TARGET_AVX512BF16 inline void pairs_tiles_avx512bf16(float* y, std::size_t y_stride,
+                                                              const bf16* x, std::size_t ldx,
+                                                              std::size_t n, const bf16* panel,
+                                                              std::size_t cols, NextWeights next) {
+  const std::size_t pairs = ldx / 2;
+  const std::size_t step = kPackedDepth / 2;
+  const std::size_t nr = n / R * R;
+  const std::size_t blocks = (pairs + step - 1) / step;
+  const std::size_t units = blocks * (nr / R);
+  std::size_t u = 0;
+  for (std::size_t p0 = 0; p0 < pairs; p0 += step) {
+    const std::size_t p1 = std::min(pairs, p0 + step);
+    std::size_t t = 0;
+    for (; t < nr; t += R, ++u) {
+      const NextWeights share = next.part(u, u + 1, units);
+      pairs_tile_avx512bf16<R, C>(y + t * y_stride, y_stride, x + t * ldx, ldx, panel, cols, p0, p1,
+                                  share);
+      share.lines(p1 - p0, share.bytes / 64 + 1);  // what a pair step each did not cover
+    }
+    for (; t + 2 <= n; t += 2)
+      pairs_tile_avx512bf16<2, C>(y + t * y_stride, y_stride, x + t * ldx, ldx, panel, cols, p0,
+                                  p1);
+    if (t < n)
+      pairs_tile_avx512bf16<1, C>(y + t * y_stride, y_stride, x + t * ldx, ldx, panel, cols, p0,
+                                  p1);
+  }
+  if (units == 0) next.lines(0, next.bytes / 64 + 1);
+}
+
+KVDECODE_TARGET_AVX512BF16 inline void pairs_panel_avx512bf16(float* y, std::size_t y_stride,
+                                                              const bf16* x, std::size_t ldx,
+                                                              std::size_t n, const bf16* panel,
+                                                              std::size_t cols, NextWeights next) {
+  if (cols > 48) return pairs_tiles_avx512bf16<6, 4>(y, y_stride, x, ldx, n, panel, cols, next);
+  if (cols > 32) return pairs_tiles_avx512bf16<8, 3>(y, y_stride, x, ldx, n, panel, cols, next);
+  if (cols > 16) return pairs_tiles_avx512bf16<12, 2>(y, y_stride, x, ldx, n, panel, cols, next);
+  pairs_tiles_avx512bf16<12, 1>(y, y_stride, x, ldx, n, panel, cols, next);
+}
+
 KVDECODE_INTRINSICS_END
 #endif  // KVDECODE_X86_KERNELS
 
@@ -331,6 +448,52 @@ void gemm_packed(KernelSet ks, float* y, const float* x, const W* w, std::size_t
         static_cast<void>(next);
 #endif
   }
+}
+
+/// Elements in a row of x as bf16 pairs (gemm_packed_pairs): in rounded up to even.
+constexpr std::size_t pair_depth(std::size_t in) { return (in + 1) / 2 * 2; }
+
+/// Whether set ks runs the packed GEMM of bf16 weights on bf16 pairs (gemm_packed_pairs):
+/// f32 activations, bf16 weights, the avx512bf16 set.
+template <class T, class W>
+constexpr bool has_gemm_packed_pairs(KernelSet ks) {
+  return KVDECODE_X86_KERNELS && std::is_same_v<T, float> && std::is_same_v<W, bf16> &&
+         ks == KernelSet::kAvx512Bf16;
+}
+
+/// xb [n][pair_depth(in)] = x [n][in] rounded to bf16 (bf16.hpp's rounding, subnormal inputs
+/// zero), the pad zero: gemm_packed_pairs's input (has_gemm_packed_pairs must hold).
+inline void round_rows_to_pairs(bf16* xb, const float* x, std::size_t n, std::size_t in) {
+#if KVDECODE_X86_KERNELS
+  round_rows_bf16_avx512bf16(xb, pair_depth(in), x, n, in);
+#else
+  static_cast<void>(xb), static_cast<void>(x), static_cast<void>(n), static_cast<void>(in);
+#endif
+}
+
+/// y [n][out] columns [c0, c1) = xb [n][pair_depth(in)] · w [c0..c1)[in]ᵀ on bf16 pairs
+/// (has_gemm_packed_pairs must hold; xb from round_rows_to_pairs), on the thread's panel of
+/// kPanelRows × pair_depth(in) bf16. Every output sums `in` in index order, a pair per
+/// instruction, in blocks of kPackedDepth added to y (with vdpbf16ps's flush of subnormal inputs
+/// and outputs).
+inline void gemm_packed_pairs(float* y, const bf16* xb, const bf16* w, std::size_t n,
+                              std::size_t in, std::size_t out, std::size_t c0, std::size_t c1,
+                              bf16* panel) {
+#if KVDECODE_X86_KERNELS
+  for (std::size_t b = c0; b < c1; b += kPanelRows) {
+    const std::size_t cols = std::min(kPanelRows, c1 - b);
+    pack_pairs_avx512(panel, w + b * in, cols, in);
+    NextWeights next;
+    if (b + cols < c1)
+      next = {reinterpret_cast<const char*>(w + (b + cols) * in),
+              std::min(kPanelRows, c1 - b - cols) * in * sizeof(bf16)};
+    pairs_panel_avx512bf16(y + b, out, xb, pair_depth(in), n, panel, cols, next);
+  }
+#else
+  static_cast<void>(y), static_cast<void>(xb), static_cast<void>(w), static_cast<void>(n);
+  static_cast<void>(in), static_cast<void>(out), static_cast<void>(c0), static_cast<void>(c1);
+  static_cast<void>(panel);
+#endif
 }
 
 }  // namespace kvdecode::detail

@@ -118,7 +118,8 @@ void linear_group_blocks(std::initializer_list<Projection<T, W>> ps, const T* x,
 /// GEMM (gemm_cols). With bf16 weights and several tokens, x is rounded once into scratch.x_rounded
 /// for every thread (the rule in gemv.hpp); more than kMaxFewTokens run on AMX tiles where
 /// amx_applies (gemm_amx.hpp), x rounded to bf16 rows in that scratch, reading a projection's
-/// amx_panels where given (slices of 16 rows start at a block of the re-laid matrix).
+/// amx_panels where given (slices of 16 rows start at a block of the re-laid matrix), else, in
+/// the avx512bf16 set, on bf16 pairs (gemm_packed_pairs, x as bf16 rows in that scratch).
 template <class T, class W>
 void linear_group_values(std::initializer_list<Projection<T, W>> ps, const T* x, std::size_t n,
                          std::size_t in, ThreadPool* pool, const LinearScratch<T>& scratch,
@@ -134,12 +135,16 @@ void linear_group_values(std::initializer_list<Projection<T, W>> ps, const T* x,
     return;
   }
   const bool amx = n > kMaxFewTokens && amx_applies<T, W>(ks, in);
+  const bool pairs = n > kMaxFewTokens && !amx && has_gemm_packed_pairs<T, W>(ks);
   const T* xg = x;     // the GEMMs' input
-  bf16* xa = nullptr;  // [n][amx_lda(in)] x rounded for the AMX tiles, in x_rounded's place
+  bf16* xa = nullptr;  // [n][amx_lda(in)] or [n][pair_depth(in)] x as bf16, in x_rounded's place
   if constexpr (!std::is_same_v<T, W>) {
     if (amx) {
       xa = reinterpret_cast<bf16*>(scratch.x_rounded);
       if constexpr (std::is_same_v<T, float>) pack_x_amx(xa, x, n, in);
+    } else if (pairs) {
+      xa = reinterpret_cast<bf16*>(scratch.x_rounded);
+      if constexpr (std::is_same_v<T, float>) round_rows_to_pairs(xa, x, n, in);
     } else if (n > 1) {
       round_to_bf16(x, scratch.x_rounded, n * in);
       xg = scratch.x_rounded;
@@ -161,6 +166,9 @@ void linear_group_values(std::initializer_list<Projection<T, W>> ps, const T* x,
         if constexpr (std::is_same_v<T, float> && std::is_same_v<W, bf16>)
           gemm_amx(p.y, xa, p.w, n, in, p.out, r0, r1, reinterpret_cast<bf16*>(panel),
                    p.amx_panels);
+      } else if (pairs) {
+        if constexpr (std::is_same_v<T, float> && std::is_same_v<W, bf16>)
+          gemm_packed_pairs(p.y, xa, p.w, n, in, p.out, r0, r1, reinterpret_cast<bf16*>(panel));
       } else if (lanes) {
         gemm_lanes(ks, p.y, xg, p.w, n, in, p.out, r0, r1, panel);
       } else if (few) {
