@@ -2,7 +2,7 @@
 // q4_0 weights (the four interleaved at each shape and thread count; prefill also bf16 with AMX
 // turned off, where the CPU has AMX, as bf16_noamx), against rooflines
 // measured in the same run: a read-bandwidth probe (sum of a 512 MiB array) for decode, the f32
-// FMA peak for prefill.
+// FMA peak for prefill (the vdpbf16ps peak for bf16 weights on bf16 pairs).
 //
 // Counters: tok/s; GB/s = bytes a decode step must read (weights + K/V) × tok/s; roofline% =
 // GB/s ÷ the probe's GB/s at the same thread count, probed just before the timed loop;
@@ -16,6 +16,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "kvdecode/io/checkpoint.hpp"
@@ -153,11 +154,34 @@ double fma_pass(std::size_t reps) {
 #endif
 }
 
-/// The measured per-core peak, once per run (best of 3 × ~20 ms).
+/// The same for vdpbf16ps (two bf16 products per lane: 64 flops an instruction), the
+/// instruction of bf16-weight prefill on bf16 pairs; 0 where the build or the CPU lacks it.
+double dpbf16_pass(std::size_t reps) {
+#if defined(__AVX512BF16__)
+  if (!cpu_supports(KernelSet::kAvx512Bf16)) return 0;
+  __m512 acc[12];
+  for (int i = 0; i < 12; ++i) acc[i] = _mm512_set1_ps(static_cast<float>(i));
+  const auto a = (__m512bh)_mm512_set1_epi16(0x3F80);  // bf16 1.0
+  const auto b = (__m512bh)_mm512_set1_epi16(0x3380);  // bf16 2^-24
+  const auto t0 = Clock::now();
+  for (std::size_t r = 0; r < reps; ++r)
+    for (int i = 0; i < 12; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], a, b);
+  const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+  for (int i = 1; i < 12; ++i) acc[0] = _mm512_add_ps(acc[0], acc[i]);
+  benchmark::DoNotOptimize(acc[0]);
+  return static_cast<double>(reps) * 12 * 32 * 2 / s * 1e-9;
+#else
+  (void)reps;
+  return 0;
+#endif
+}
+
+/// The measured per-core peak of a probe, once per run (best of 3 × ~20 ms).
+template <double (*kPass)(std::size_t)>
 double measured_peak() {
   static const double peak = [] {
     double best = 0;
-    for (int i = 0; i < 3; ++i) best = std::max(best, fma_pass(std::size_t{1} << 22));
+    for (int i = 0; i < 3; ++i) best = std::max(best, kPass(std::size_t{1} << 22));
     return best;
   }();
   return peak;
@@ -168,6 +192,13 @@ void BM_FmaPeak(benchmark::State& state) {
   for (auto _ : state) gflops = std::max(gflops, fma_pass(std::size_t{1} << 22));
   state.counters["GFLOP/s"] = gflops;
   state.counters["nominal%"] = 100.0 * gflops / kPeakGflops;
+}
+
+void BM_Bf16DotPeak(benchmark::State& state) {
+  double gflops = 0;
+  for (auto _ : state) gflops = std::max(gflops, dpbf16_pass(std::size_t{1} << 22));
+  if (gflops == 0) state.SkipWithError("no AVX512_BF16 in this build or CPU");
+  state.counters["GFLOP/s"] = gflops;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -324,9 +355,12 @@ void prefill_loop(benchmark::State& state, const Model<float, W>& model, std::si
   state.counters["tok/s"] = static_cast<double>(kPrefillTokens) / seconds;
   state.counters["GFLOP/s"] = gflops;
   state.counters["peak%"] = 100.0 * gflops / (kPeakGflops * static_cast<double>(threads));
-  if (measured_peak() > 0)
-    state.counters["probe_peak%"] =
-        100.0 * gflops / (measured_peak() * static_cast<double>(threads));
+  // bf16 weights on bf16 pairs run vdpbf16ps, not f32 fmas: their own probe is their peak.
+  const bool pairs = std::is_same_v<W, bf16> && !amx_enabled() &&
+                     detail::has_gemm_packed_pairs<float, W>(active_kernel_set());
+  const double probe = pairs ? measured_peak<dpbf16_pass>() : measured_peak<fma_pass>();
+  if (probe > 0)
+    state.counters["probe_peak%"] = 100.0 * gflops / (probe * static_cast<double>(threads));
 }
 
 void BM_ShapeDecode(benchmark::State& state, std::size_t shape, std::size_t threads,
@@ -340,7 +374,10 @@ void BM_ShapePrefill(benchmark::State& state, std::size_t shape, std::size_t thr
   if (wt == WeightType::kBf16NoAmx) force_amx(false);
   with_model(shape, wt, [&](const auto& m) { prefill_loop(state, m, threads); });
   force_amx(amx);
-  state.SetLabel(wt == WeightType::kBf16 && amx ? "amx" : "");
+  const bool bf16_weights = wt == WeightType::kBf16 || wt == WeightType::kBf16NoAmx;
+  const bool pairs =
+      bf16_weights && detail::has_gemm_packed_pairs<float, bf16>(active_kernel_set());
+  state.SetLabel(wt == WeightType::kBf16 && amx ? "amx" : pairs ? "bf16 pairs" : "");
 }
 
 /// A decode step at several contexts (42M, f32): the slope of time over T should be the K/V
@@ -361,6 +398,7 @@ int main(int argc, char** argv) {
         ->Unit(benchmark::kMillisecond)
         ->UseRealTime();
   benchmark::RegisterBenchmark("BM_FmaPeak", BM_FmaPeak)->Iterations(3)->UseRealTime();
+  benchmark::RegisterBenchmark("BM_Bf16DotPeak", BM_Bf16DotPeak)->Iterations(3)->UseRealTime();
   constexpr WeightType kTypes[] = {WeightType::kF32, WeightType::kBf16, WeightType::kQ8_0,
                                    WeightType::kQ4_0};
   for (std::size_t s = 0; s < shapes().size(); ++s)
