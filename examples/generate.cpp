@@ -743,8 +743,11 @@ int generate_with(const Run& run, const kvdecode::Model<float, W>& model, S& cac
                                  ? " (" + std::to_string(model.amx_panel_bytes()) +
                                        " bytes of weight panels re-laid on load)"
                                  : "";
+  const bool pairs = !amx && detail::has_gemm_packed_pairs<float, W>(active_kernel_set());
   std::fprintf(out, "kernels            %s%s\n", active_kernel_set_name(),
-               amx ? (", prefill on AMX tiles" + panels).c_str() : "");
+               amx     ? (", prefill on AMX tiles" + panels).c_str()
+               : pairs ? ", prefill on bf16 pairs (vdpbf16ps)"
+                       : "");
   std::fprintf(out, "KV store           %s, %zu bytes reserved for %s\n", describe(cache).c_str(),
                cache.memory_bytes(), reserved_for(cache).c_str());
   {

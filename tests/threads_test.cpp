@@ -200,7 +200,9 @@ TEST(Bf16ModelTest, PrefillFollowsTheBf16RuleOnRoundedWeights) {
   const std::vector<double> ref =
       testing_util::double_forward(testing_util::widen_weights(w, true), tokens, true);
   const auto vocab = static_cast<std::size_t>(cfg.vocab_size);
-  for (const std::size_t chunk : {std::size_t{5}, std::size_t{32}}) {  // gemm_few and gemm_cols
+  // Chunks of 5: gemm_few; of 32: the active set's GEMM (Eigen's, packed panels, bf16 pairs in
+  // the avx512bf16 set, or AMX tiles).
+  for (const std::size_t chunk : {std::size_t{5}, std::size_t{32}}) {
     ContiguousStore<float> cache(cfg);
     Activations<float> act(cfg, {.max_chunk = chunk});
     std::vector<float> all(tokens.size() * vocab);
