@@ -23,18 +23,6 @@
 namespace kvdecode::testing_util {
 namespace {
 
-/// Sets AMX on or off for one test, restoring the choice before it after.
-class ForcedAmx {
- public:
-  explicit ForcedAmx(bool on) : before_(amx_enabled()) { force_amx(on); }
-  ~ForcedAmx() { force_amx(before_); }
-  ForcedAmx(const ForcedAmx&) = delete;
-  ForcedAmx& operator=(const ForcedAmx&) = delete;
-
- private:
-  bool before_;
-};
-
 #define KVDECODE_SKIP_WITHOUT_AMX()                                                          \
   if (!cpu_supports_amx())                                                                   \
   GTEST_SKIP() << "this CPU lacks AMX-BF16, or the OS refused this process the tile state; " \

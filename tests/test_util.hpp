@@ -156,6 +156,18 @@ class ForcedKernelSet {
   KernelSet before_;
 };
 
+/// Sets AMX on or off for one test, restoring the choice before it after.
+class ForcedAmx {
+ public:
+  explicit ForcedAmx(bool on) : before_(amx_enabled()) { force_amx(on); }
+  ~ForcedAmx() { force_amx(before_); }
+  ForcedAmx(const ForcedAmx&) = delete;
+  ForcedAmx& operator=(const ForcedAmx&) = delete;
+
+ private:
+  bool before_;
+};
+
 /// Half the step of a quantized stores' f16 range over [lo, hi] with top code `levels` (255,
 /// 15, 3), plus the f32 arithmetic of the codes: min is rounded down by at most one f16 unit
 /// (2^-10 relative, 2^-24 below the normal range) and the step up by as much, so

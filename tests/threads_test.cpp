@@ -191,8 +191,11 @@ TEST(Bf16ModelTest, DecodeFollowsTheBf16RuleOnRoundedWeights) {
   }
 }
 
-// Prefill (several tokens per product) rounds its inputs to bf16 as decode does.
-TEST(Bf16ModelTest, PrefillFollowsTheBf16RuleOnRoundedWeights) {
+// Prefill (several tokens per product) rounds its inputs to bf16 as decode does, in every kernel
+// set this CPU runs (AMX off: the avx512bf16 set's own GEMM, bf16 pairs; amx_test.cpp holds the
+// tiles to the same rule). Chunks of 5: gemm_few; of 32: the set's GEMM (Eigen's in the portable
+// set, packed f32 panels in avx2 and avx512, bf16 pairs in avx512bf16).
+TEST(Bf16ModelTest, PrefillFollowsTheBf16RuleOnRoundedWeightsInEverySet) {
   const ModelConfig cfg = bf16_config();
   const Weights<float> w = random_weights<float>(cfg, 9);
   const Model<float, bf16> bf(convert_weights<bf16>(w));
@@ -200,18 +203,28 @@ TEST(Bf16ModelTest, PrefillFollowsTheBf16RuleOnRoundedWeights) {
   const std::vector<double> ref =
       testing_util::double_forward(testing_util::widen_weights(w, true), tokens, true);
   const auto vocab = static_cast<std::size_t>(cfg.vocab_size);
-  // Chunks of 5: gemm_few; of 32: the active set's GEMM (Eigen's, packed panels, bf16 pairs in
-  // the avx512bf16 set, or AMX tiles).
-  for (const std::size_t chunk : {std::size_t{5}, std::size_t{32}}) {
-    ContiguousStore<float> cache(cfg);
-    Activations<float> act(cfg, {.max_chunk = chunk});
-    std::vector<float> all(tokens.size() * vocab);
-    bf.prefill(tokens, cache, act, std::span<float>(all));
-    std::vector<double> errors;
-    for (std::size_t p = 0; p < tokens.size(); ++p)
-      errors.push_back(worst_relative(std::span<const float>(all).subspan(p * vocab, vocab),
-                                      std::span<const double>(ref).subspan(p * vocab, vocab)));
-    expect_bf16_rule(errors, "bf16 prefill, chunks of " + std::to_string(chunk));
+  const testing_util::ForcedAmx amx_off(false);
+  for (const KernelSet set : kKernelSets) {
+    if (!cpu_supports(set)) {
+      std::printf("kernel set %s: skipped, this CPU cannot run it\n", kernel_set_name(set));
+      continue;
+    }
+    const testing_util::ForcedKernelSet forced(set);
+    for (const std::size_t threads : {1, 2})
+      for (const std::size_t chunk : {std::size_t{5}, std::size_t{32}}) {
+        ThreadPool pool(threads);
+        ContiguousStore<float> cache(cfg);
+        Activations<float> act(cfg, {.max_chunk = chunk, .thread_pool = &pool});
+        std::vector<float> all(tokens.size() * vocab);
+        bf.prefill(tokens, cache, act, std::span<float>(all));
+        std::vector<double> errors;
+        for (std::size_t p = 0; p < tokens.size(); ++p)
+          errors.push_back(worst_relative(std::span<const float>(all).subspan(p * vocab, vocab),
+                                          std::span<const double>(ref).subspan(p * vocab, vocab)));
+        expect_bf16_rule(errors, std::string("bf16 prefill, set ") + kernel_set_name(set) + ", " +
+                                     std::to_string(threads) + " threads, chunks of " +
+                                     std::to_string(chunk));
+      }
   }
 }
 
