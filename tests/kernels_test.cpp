@@ -281,9 +281,9 @@ TEST_P(KernelSetTest, GemmPackedMatchesNaive) {
 
 // gemm_packed_pairs (bf16 weights times x rounded to bf16 rows, a pair of products per
 // instruction) as check_gemm_packed checks gemm_packed, against the naive loop over x rounded by
-// bf16.hpp: the rows it takes hold bf16(x) and a zero pad, the pair panel holds the weights in
-// pairs, every output is within the f32 bound of a sum of `cols` products, columns outside the
-// slice are not written.
+// bf16.hpp: the rows it takes hold bf16(x) and a zero pad (also the AMX path's wider rows, the
+// same rounding function), the pair panel holds the weights in pairs, every output is within the
+// f32 bound of a sum of `cols` products, columns outside the slice [c0, c1) are not written.
 TEST_P(KernelSetTest, GemmPackedPairsMatchesNaive) {
   if (!detail::has_gemm_packed_pairs<float, bf16>(ks()))
     GTEST_SKIP() << kernel_set_name(ks()) << " has no bf16-pair GEMM (the f32 panels serve it)";
@@ -295,23 +295,36 @@ TEST_P(KernelSetTest, GemmPackedPairsMatchesNaive) {
         const std::size_t ld = detail::pair_depth(cols);
         ASSERT_EQ(ld % 2, 0u);
         ASSERT_LE(ld - cols, 1u);
-        std::vector<bf16> xb(n * ld, bf16(std::numeric_limits<float>::quiet_NaN()));
+        const auto expect_rows = [&](const std::vector<bf16>& rounded, std::size_t lda) {
+          ASSERT_EQ(rounded.size(), n * lda + 1);
+          for (std::size_t t = 0; t < n; ++t)
+            for (std::size_t c = 0; c < lda; ++c) {
+              const float want = c < cols ? static_cast<float>(bf16(x[t * cols + c])) : 0.0f;
+              ASSERT_EQ(std::bit_cast<std::uint32_t>(static_cast<float>(rounded[t * lda + c])),
+                        std::bit_cast<std::uint32_t>(want))
+                  << "x row " << t << " column " << c << " of " << cols << ", rows of " << lda;
+            }
+          ASSERT_TRUE(std::isnan(static_cast<float>(rounded.back()))) << "written past the rows";
+        };
+        std::vector<bf16> xb(n * ld + 1, bf16(std::numeric_limits<float>::quiet_NaN()));
         detail::round_rows_to_pairs(xb.data(), x.data(), n, cols);
-        for (std::size_t t = 0; t < n; ++t)
-          for (std::size_t c = 0; c < ld; ++c) {
-            const float want = c < cols ? static_cast<float>(bf16(x[t * cols + c])) : 0.0f;
-            ASSERT_EQ(std::bit_cast<std::uint32_t>(static_cast<float>(xb[t * ld + c])),
-                      std::bit_cast<std::uint32_t>(want))
-                << "x row " << t << " column " << c << " of " << cols;
-          }
+        expect_rows(xb, ld);
+#if KVDECODE_AMX_KERNELS
+        std::vector<bf16> xa(n * detail::amx_lda(cols) + 1,
+                             bf16(std::numeric_limits<float>::quiet_NaN()));
+        detail::pack_x_amx(xa.data(), x.data(), n, cols);
+        expect_rows(xa, detail::amx_lda(cols));
+#endif
+        xb.pop_back();
         const std::size_t c0 = rows > 1 ? 1 : 0;
+        const std::size_t c1 = rows > 2 ? rows - 1 : rows;
         AlignedBuffer<bf16> panel(detail::kPanelRows * ld);
         std::vector<float> y(n * rows, std::numeric_limits<float>::quiet_NaN());  // [n][rows]
-        detail::gemm_packed_pairs(y.data(), xb.data(), w.data(), n, cols, rows, c0, rows,
+        detail::gemm_packed_pairs(y.data(), xb.data(), w.data(), n, cols, rows, c0, c1,
                                   panel.data());
-        if (rows - c0 <= detail::kPanelRows) {  // one panel: the last one packed
+        if (c1 - c0 <= detail::kPanelRows) {  // one panel: the last one packed
           for (std::size_t p = 0; p < ld / 2; ++p)
-            for (std::size_t j = 0; j < rows - c0; ++j)
+            for (std::size_t j = 0; j < c1 - c0; ++j)
               for (std::size_t h = 0; h < 2; ++h) {
                 const std::size_t k = 2 * p + h;
                 const float want = k < cols ? static_cast<float>(w[(c0 + j) * cols + k]) : 0.0f;
@@ -327,7 +340,7 @@ TEST_P(KernelSetTest, GemmPackedPairsMatchesNaive) {
           naive_gemv(w, xt, rows, cols, x_bf16, ref, mag);
           for (std::size_t r = 0; r < rows; ++r) {
             const float got = y[t * rows + r];
-            if (r < c0) {
+            if (r < c0 || r >= c1) {
               ASSERT_TRUE(std::isnan(got)) << "column outside the slice was written";
               continue;
             }
@@ -501,7 +514,8 @@ TEST_P(KernelSetTest, Bf16PathsRoundInputsToNearestEven) {
   for (const std::size_t cols : {1, 7, 9, 17, 33, 65, 70, 129}) {
     std::vector<bf16> w(rows * cols, bf16(1.0f));
     for (std::size_t r = 0; r < rows; ++r) w[r * cols + r % cols] = bf16(-2.0f);
-    for (const std::size_t n : {1, 3, 16, 17}) {  // GEMV, gemm_few, gemm_few, gemm_cols
+    // GEMV, gemm_few, gemm_few, the set's GEMM (Eigen's, packed panels, bf16 pairs, AMX)
+    for (const std::size_t n : {1, 3, 16, 17}) {
       std::vector<float> x;
       for (std::size_t t = 0; t < n; ++t) {
         std::vector<float> xt = tie_inputs(cols);
@@ -524,7 +538,7 @@ TEST_P(KernelSetTest, Bf16PathsRoundInputsToNearestEven) {
 }
 
 /// linear_group at 1, 2 and 3 threads, one token (GEMV), a few (gemm_few, or gemm_lanes for
-/// FewTokenOrder::kLanes) and more than kMaxFewTokens (gemm_cols, bf16 widened in panels):
+/// FewTokenOrder::kLanes) and more than kMaxFewTokens (the set's GEMM; bf16 pairs in avx512bf16):
 /// within the f32 bound of the naive loop over x rounded as the weight type's rule says; one
 /// token, and a few in lanes, bit-identical at every thread count.
 template <class W>

@@ -3,7 +3,8 @@
 
 Reads <results>/roofline_bench.json and <results>/machine.txt (written by
 tools/run_roofline.sh) and replaces the part of the markdown file between this script's
-GENERATED markers with: the machine, the measured limits (read bandwidth, FMA peak), decode and
+GENERATED markers with: the machine, the measured limits (read bandwidth, FMA peak, and the
+vdpbf16ps peak where the CPU has it), decode and
 prefill figures of every shape / weight type / thread count, the targets next to what was
 measured, and the long-context slope. Medians of the repetitions. Standard library only.
 """
@@ -47,6 +48,8 @@ def get(runs, name, counter):
     e = runs.get(name)
     if e is None:
         sys.exit(f"roofline_table.py: no result for {name}")
+    if counter not in e:
+        sys.exit(f"roofline_table.py: {name} has no counter {counter}")
     return float(e[counter])
 
 
@@ -67,7 +70,7 @@ def generate(runs, machine):
     peak = get(runs, "BM_FmaPeak", "GFLOP/s")
     limits = [["read bandwidth, GB/s (sum of a 512 MiB array)", f"{bw[1]:.1f}", f"{bw[2]:.1f}"],
               ["f32 FMA peak, GFLOP/s (12 chains of 512-bit FMA)", f"{peak:.0f}", f"{2 * peak:.0f}"]]
-    dot = runs.get("BM_Bf16DotPeak")  # registered where the build and the CPU have AVX512_BF16
+    dot = runs.get("BM_Bf16DotPeak")  # registered where the CPU has AVX512_BF16
     if dot is not None:
         g = float(dot["GFLOP/s"])
         limits.append(["bf16 dot-product peak, GFLOP/s (12 chains of vdpbf16ps)", f"{g:.0f}",
@@ -92,7 +95,7 @@ def generate(runs, machine):
             "÷ the bandwidth probed just before the timed loop at the same thread count. Peak % "
             "is against the FMA peak measured in this run (for bf16 weights on bf16 pairs, the "
             "vdpbf16ps peak), and against the nominal 215 GFLOP/s per core of a Zen 5 core (two "
-            "full-width 512-bit FMA pipes).", "",
+            "full-width 512-bit FMA pipes; an f32 figure, so bf16 pairs may pass 100 %).", "",
             table(["shape", "weights", "threads", "decode tok/s", "MB read / tok", "GB/s",
                    "probe GB/s", "roofline", "prefill tok/s", "GFLOP/s", "% measured peak",
                    "% nominal peak"], rows), ""]

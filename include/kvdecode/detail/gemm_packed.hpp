@@ -362,15 +362,16 @@ KVDECODE_TARGET_AVX512BF16 inline void pairs_tile_avx512bf16(float* y, std::size
   }
 }
 
-/// packed_tiles_avx512 on pairs: depth blocks of kPackedDepth (kPackedDepth / 2 pairs) outer,
-/// tiles of R tokens inner, then pairs and a single token.
+/// packed_tiles_avx512 on pairs: depth blocks of kPackedDepth pairs (2 kPackedDepth depths: the
+/// same 16 KiB slice of the panel in L1 as an f32 block) outer, tiles of R tokens inner, then
+/// pairs and a single token.
 template <int R, int C>
 KVDECODE_TARGET_AVX512BF16 inline void pairs_tiles_avx512bf16(float* y, std::size_t y_stride,
                                                               const bf16* x, std::size_t ldx,
                                                               std::size_t n, const bf16* panel,
                                                               std::size_t cols, NextWeights next) {
   const std::size_t pairs = ldx / 2;
-  const std::size_t step = kPackedDepth / 2;
+  const std::size_t step = kPackedDepth;
   const std::size_t nr = n / R * R;
   const std::size_t blocks = (pairs + step - 1) / step;
   const std::size_t units = blocks * (nr / R);
@@ -473,9 +474,9 @@ inline void round_rows_to_pairs(bf16* xb, const float* x, std::size_t n, std::si
 
 /// y [n][out] columns [c0, c1) = xb [n][pair_depth(in)] · w [c0..c1)[in]ᵀ on bf16 pairs
 /// (has_gemm_packed_pairs must hold; xb from round_rows_to_pairs), on the thread's panel of
-/// kPanelRows × pair_depth(in) bf16. Every output sums `in` in index order, a pair per
-/// instruction, in blocks of kPackedDepth added to y (with vdpbf16ps's flush of subnormal inputs
-/// and outputs).
+/// kPanelRows × pair_depth(in) bf16. Every output sums `in` in order of the pairs, one per
+/// instruction (depth 2p + 1's product added before 2p's, each rounded), in blocks of
+/// 2 kPackedDepth added to y (with vdpbf16ps's flush of subnormal inputs and outputs).
 inline void gemm_packed_pairs(float* y, const bf16* xb, const bf16* w, std::size_t n,
                               std::size_t in, std::size_t out, std::size_t c0, std::size_t c1,
                               bf16* panel) {

@@ -35,9 +35,13 @@ struct Projection {
 /// The scratch a multi-token projection needs (none for one token).
 template <class T>
 struct LinearScratch {
-  T* panels = nullptr;             // [threads][kPanelRows][in] widened bf16 weights (W ≠ T)
-  std::size_t panel_stride = 0;    // elements between two threads' panels
-  T* x_rounded = nullptr;          // [n][in] x rounded to bf16 (W ≠ T)
+  // [threads][kPanelRows × in] a thread's packed weights: f32 panels, or (W ≠ T) bf16 widened,
+  // bf16 pairs or AMX panels in the same bytes
+  T* panels = nullptr;
+  std::size_t panel_stride = 0;  // elements between two threads' panels
+  // [n][in] x rounded to bf16 (W ≠ T); the bf16 pairs and AMX paths keep their bf16 rows
+  // ([n][pair_depth(in)], [n][amx_lda(in)]) in the same bytes
+  T* x_rounded = nullptr;
   std::int8_t* x_codes = nullptr;  // [n][in] x quantized (block-format W)
   float* x_scales = nullptr;       // [n][in / 32] their scales (block-format W)
   std::int32_t* x_sums = nullptr;  // [n][in / 32] each code block's sum (block-format W)
