@@ -143,6 +143,27 @@ KVDECODE_TARGET_AVX2 inline void pack_panel_avx2(float* panel, const W* w, std::
   }
 }
 
+/// A register tile's sums into y rows [0, R) columns [0, cols), cols ≤ 16 C: stored when first,
+/// else added to what y holds; columns past cols are not touched.
+template <int R, int C>
+KVDECODE_TARGET_AVX512 inline void store_tile_avx512(float* y, std::size_t y_stride,
+                                                     std::size_t cols, const __m512 (&acc)[R][C],
+                                                     bool first) {
+  KVDECODE_UNROLL
+  for (int j = 0; j < C; ++j) {
+    const std::size_t lo = 16 * static_cast<std::size_t>(j);
+    const std::size_t left = cols > lo ? cols - lo : 0;
+    const auto m = static_cast<__mmask16>(left >= 16 ? 0xFFFFu : (1u << left) - 1u);
+    KVDECODE_UNROLL
+    for (int i = 0; i < R; ++i) {
+      float* out = y + static_cast<std::size_t>(i) * y_stride + 16 * j;
+      const __m512 sum =
+          first ? acc[i][j] : _mm512_add_ps(_mm512_maskz_loadu_ps(m, out), acc[i][j]);
+      _mm512_mask_storeu_ps(out, m, sum);
+    }
+  }
+}
+
 /// y rows [0, R) columns [0, cols) (+)= x [R][k0, k1) · panel [k0, k1)[0, cols), cols ≤ 16 C,
 /// k1 - k0 ≤ kPackedDepth: stored when k0 = 0, else added to y. R × C accumulators, C panel
 /// loads and R broadcasts per R C multiply-adds. next's lines are asked for one per depth step.
@@ -152,13 +173,6 @@ KVDECODE_TARGET_AVX512 inline void packed_tile_avx512(float* y, std::size_t y_st
                                                       const float* panel, std::size_t cols,
                                                       std::size_t k0, std::size_t k1,
                                                       NextWeights next = {}) {
-  __mmask16 m[C];
-  KVDECODE_UNROLL
-  for (int j = 0; j < C; ++j) {
-    const std::size_t lo = 16 * static_cast<std::size_t>(j);
-    const std::size_t left = cols > lo ? cols - lo : 0;
-    m[j] = static_cast<__mmask16>(left >= 16 ? 0xFFFFu : (1u << left) - 1u);
-  }
   __m512 acc[R][C];
   KVDECODE_UNROLL
   for (int i = 0; i < R; ++i) KVDECODE_UNROLL
@@ -176,14 +190,7 @@ KVDECODE_TARGET_AVX512 inline void packed_tile_avx512(float* y, std::size_t y_st
       for (int j = 0; j < C; ++j) acc[i][j] = _mm512_fmadd_ps(xb, w[j], acc[i][j]);
     }
   }
-  KVDECODE_UNROLL
-  for (int i = 0; i < R; ++i) KVDECODE_UNROLL
-  for (int j = 0; j < C; ++j) {
-    float* out = y + static_cast<std::size_t>(i) * y_stride + 16 * j;
-    const __m512 sum =
-        k0 == 0 ? acc[i][j] : _mm512_add_ps(_mm512_maskz_loadu_ps(m[j], out), acc[i][j]);
-    _mm512_mask_storeu_ps(out, m[j], sum);
-  }
+  store_tile_avx512<R, C>(y, y_stride, cols, acc, k0 == 0);
 }
 
 /// packed_panel_avx512 for a panel of cols ≤ 16 C columns: tiles of R tokens (about 24
@@ -326,13 +333,6 @@ KVDECODE_TARGET_AVX512BF16 inline void pairs_tile_avx512bf16(float* y, std::size
                                                              const bf16* panel, std::size_t cols,
                                                              std::size_t p0, std::size_t p1,
                                                              NextWeights next = {}) {
-  __mmask16 m[C];
-  KVDECODE_UNROLL
-  for (int j = 0; j < C; ++j) {
-    const std::size_t lo = 16 * static_cast<std::size_t>(j);
-    const std::size_t left = cols > lo ? cols - lo : 0;
-    m[j] = static_cast<__mmask16>(left >= 16 ? 0xFFFFu : (1u << left) - 1u);
-  }
   __m512 acc[R][C];
   KVDECODE_UNROLL
   for (int i = 0; i < R; ++i) KVDECODE_UNROLL
@@ -352,14 +352,7 @@ KVDECODE_TARGET_AVX512BF16 inline void pairs_tile_avx512bf16(float* y, std::size
       for (int j = 0; j < C; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], w[j], xb);
     }
   }
-  KVDECODE_UNROLL
-  for (int i = 0; i < R; ++i) KVDECODE_UNROLL
-  for (int j = 0; j < C; ++j) {
-    float* out = y + static_cast<std::size_t>(i) * y_stride + 16 * j;
-    const __m512 sum =
-        p0 == 0 ? acc[i][j] : _mm512_add_ps(_mm512_maskz_loadu_ps(m[j], out), acc[i][j]);
-    _mm512_mask_storeu_ps(out, m[j], sum);
-  }
+  store_tile_avx512<R, C>(y, y_stride, cols, acc, p0 == 0);
 }
 
 /// packed_tiles_avx512 on pairs: depth blocks of kPackedDepth pairs (2 kPackedDepth depths: the
