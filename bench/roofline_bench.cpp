@@ -365,8 +365,11 @@ void prefill_loop(benchmark::State& state, const Model<float, W>& model, std::si
   state.counters["GFLOP/s"] = gflops;
   state.counters["peak%"] = 100.0 * gflops / (kPeakGflops * static_cast<double>(threads));
   // bf16 weights on bf16 pairs run vdpbf16ps, not f32 fmas: their own probe is their peak.
-  const bool pairs = std::is_same_v<W, bf16> && !amx_enabled() &&
-                     detail::has_gemm_packed_pairs<float, W>(active_kernel_set());
+  const auto dim = static_cast<std::size_t>(cfg.dim);
+  const bool pairs = detail::packed_pairs_apply<float, W>(active_kernel_set(), dim);
+  state.SetLabel(detail::amx_applies<float, W>(active_kernel_set(), dim) ? "amx"
+                 : pairs                                                 ? "bf16 pairs"
+                                                                         : "");
   const double probe = pairs ? measured_peak<dpbf16_pass>() : measured_peak<fma_pass>();
   if (probe > 0)
     state.counters["probe_peak%"] = 100.0 * gflops / (probe * static_cast<double>(threads));
@@ -383,10 +386,6 @@ void BM_ShapePrefill(benchmark::State& state, std::size_t shape, std::size_t thr
   if (wt == WeightType::kBf16NoAmx) force_amx(false);
   with_model(shape, wt, [&](const auto& m) { prefill_loop(state, m, threads); });
   force_amx(amx);
-  const bool bf16_weights = wt == WeightType::kBf16 || wt == WeightType::kBf16NoAmx;
-  const bool pairs =
-      bf16_weights && detail::has_gemm_packed_pairs<float, bf16>(active_kernel_set());
-  state.SetLabel(wt == WeightType::kBf16 && amx ? "amx" : pairs ? "bf16 pairs" : "");
 }
 
 /// A decode step at several contexts (42M, f32): the slope of time over T should be the K/V

@@ -743,7 +743,8 @@ int generate_with(const Run& run, const kvdecode::Model<float, W>& model, S& cac
                                  ? " (" + std::to_string(model.amx_panel_bytes()) +
                                        " bytes of weight panels re-laid on load)"
                                  : "";
-  const bool pairs = !amx && detail::has_gemm_packed_pairs<float, W>(active_kernel_set());
+  const bool pairs =
+      detail::packed_pairs_apply<float, W>(active_kernel_set(), static_cast<std::size_t>(cfg.dim));
   std::fprintf(out, "kernels            %s%s\n", active_kernel_set_name(),
                amx     ? (", prefill on AMX tiles" + panels).c_str()
                : pairs ? ", prefill on bf16 pairs (vdpbf16ps)"

@@ -154,7 +154,8 @@ KVDECODE_TARGET_AVX512 inline void lanes_block_avx512(float* acc, const float* b
 }
 
 /// Packs columns [k0, k0 + kc) of rows [r, r + rows) of bf16 weights as dword pairs into
-/// buf [kc / 2][R × 16] (kc even or the chunk's last).
+/// buf [kc / 2][R × 16] (kc even or the chunk's last; missing rows zero). Also the packed
+/// GEMM's pair panel (gemm_packed_pairs, R × 16 = kPanelRows), so buf need not be aligned.
 template <int R>
 KVDECODE_TARGET_AVX512BF16 inline void pack_pairs_avx512(float* buf, const bf16* w, std::size_t in,
                                                          std::size_t rows, std::size_t k0,
@@ -168,7 +169,7 @@ KVDECODE_TARGET_AVX512BF16 inline void pack_pairs_avx512(float* buf, const bf16*
       const std::size_t cols = std::min<std::size_t>(32, kc - k);
       const std::size_t pairs = (cols + 1) / 2;
       load_transpose_16x16(v, w + r0 * in + k0 + k, in, here, cols);
-      for (std::size_t j = 0; j < pairs; ++j) _mm512_store_ps(buf + (k / 2 + j) * kW + r0, v[j]);
+      for (std::size_t j = 0; j < pairs; ++j) _mm512_storeu_ps(buf + (k / 2 + j) * kW + r0, v[j]);
     }
   }
 }

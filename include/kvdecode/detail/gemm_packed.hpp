@@ -19,7 +19,8 @@
 
 #include "kvdecode/bf16.hpp"
 #include "kvdecode/detail/cpu.hpp"
-#include "kvdecode/detail/gemm.hpp"  // kPanelRows, KVDECODE_UNROLL (gemv.hpp)
+#include "kvdecode/detail/gemm.hpp"        // kPanelRows, KVDECODE_UNROLL (gemv.hpp)
+#include "kvdecode/detail/gemm_lanes.hpp"  // pack_pairs_avx512, kLaneRows
 #include "kvdecode/detail/prefetch.hpp"
 #include "kvdecode/detail/transpose.hpp"
 
@@ -304,27 +305,6 @@ KVDECODE_TARGET_AVX2 inline void packed_panel_avx2(float* y, std::size_t y_strid
 // products to its f32 sum, so one instruction does the work of two f32 fmas at the same rate.
 // ---------------------------------------------------------------------------------------------
 
-/// panel [pair_depth(in) / 2][kPanelRows] dwords = w [rows][in] as bf16 pairs: dword
-/// p · kPanelRows + j holds (w[j][2p], w[j][2p + 1]), a depth past in zero; rows past `rows` up
-/// to the next multiple of 16 are zero. 16 rows × 16 pairs at a time, transposed as dwords.
-KVDECODE_TARGET_AVX512 inline void pack_pairs_avx512(bf16* panel, const bf16* w, std::size_t rows,
-                                                     std::size_t in) {
-  for (std::size_t j0 = 0; j0 < rows; j0 += 16) {
-    const std::size_t jn = std::min<std::size_t>(16, rows - j0);
-    for (std::size_t k0 = 0; k0 < in; k0 += 32) {
-      const std::size_t kn = std::min<std::size_t>(32, in - k0);
-      const auto m = static_cast<__mmask32>(kn == 32 ? ~0u : (1u << kn) - 1u);
-      __m512i r[16];  // r[j]: weight row j0 + j, depths [k0, k0 + 32)
-      for (std::size_t j = 0; j < 16; ++j)
-        r[j] =
-            j < jn ? _mm512_maskz_loadu_epi16(m, w + (j0 + j) * in + k0) : _mm512_setzero_si512();
-      transpose_16x16(r);  // r[p]: pair k0 / 2 + p of weight rows [j0, j0 + 16)
-      for (std::size_t p = 0; p < (kn + 1) / 2; ++p)
-        _mm512_storeu_si512(panel + 2 * ((k0 / 2 + p) * kPanelRows + j0), r[p]);
-    }
-  }
-}
-
 /// packed_tile_avx512 on pairs: y rows [0, R) columns [0, cols) (+)= x [R][2 p0, 2 p1) · panel
 /// pairs [p0, p1), x rows ldx bf16 apart; stored when p0 = 0, else added to y.
 template <int R, int C>
@@ -476,7 +456,10 @@ inline void gemm_packed_pairs(float* y, const bf16* xb, const bf16* w, std::size
 #if KVDECODE_X86_KERNELS
   for (std::size_t b = c0; b < c1; b += kPanelRows) {
     const std::size_t cols = std::min(kPanelRows, c1 - b);
-    pack_pairs_avx512(panel, w + b * in, cols, in);
+    // panel [pair_depth(in) / 2][kPanelRows] dwords: (w[j][2p], w[j][2p + 1]) at p · kPanelRows
+    // + j, the batched steps' pair pack with the panel's width
+    pack_pairs_avx512<kPanelRows / kLaneRows>(reinterpret_cast<float*>(panel), w + b * in, in, cols,
+                                              0, in);
     NextWeights next;
     if (b + cols < c1)
       next = {reinterpret_cast<const char*>(w + (b + cols) * in),

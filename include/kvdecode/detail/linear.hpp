@@ -111,6 +111,13 @@ void linear_group_blocks(std::initializer_list<Projection<T, W>> ps, const T* x,
   });
 }
 
+/// Whether prefill-sized products (more than kMaxFewTokens tokens) of these types with depth in
+/// run on bf16 pairs (gemm_packed_pairs) in set ks: the avx512bf16 set, where AMX does not apply.
+template <class T, class W>
+bool packed_pairs_apply(KernelSet ks, std::size_t in) {
+  return has_gemm_packed_pairs<T, W>(ks) && !amx_applies<T, W>(ks, in);
+}
+
 /// Runs projections that share their input x [n][in] in one parallel region of pool, so one
 /// wake-up covers q, k and v (or gate and up). Small projections stay on the caller.
 /// One token: run_row_chunks. Several tokens (GEMM, compute bound): a static split into one slice
@@ -139,7 +146,7 @@ void linear_group_values(std::initializer_list<Projection<T, W>> ps, const T* x,
     return;
   }
   const bool amx = n > kMaxFewTokens && amx_applies<T, W>(ks, in);
-  const bool pairs = n > kMaxFewTokens && !amx && has_gemm_packed_pairs<T, W>(ks);
+  const bool pairs = n > kMaxFewTokens && packed_pairs_apply<T, W>(ks, in);
   const T* xg = x;     // the GEMMs' input
   bf16* xa = nullptr;  // [n][amx_lda(in)] or [n][pair_depth(in)] x as bf16, in x_rounded's place
   if constexpr (!std::is_same_v<T, W>) {
