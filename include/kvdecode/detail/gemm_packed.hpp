@@ -66,6 +66,34 @@ struct NextWeights {
   }
 };
 
+/// The loop of the packed GEMMs over one panel and n tokens: depth blocks of `step` units outer,
+/// so that a block's slice of the panel stays in L1 while every tile reads it (each output still
+/// adds its blocks to y in depth order), tiles of R tokens inner, then pairs and a single token.
+/// tile(std::integral_constant<int, rows>{}, t, d0, d1, next) runs the tile of `rows` tokens from
+/// token t over depth units [d0, d1) of `depth`, asking for next's lines one per depth step. The
+/// next weights are shared out over the R-token tiles of every depth block; the rest of each
+/// share, and all of them when there is no such tile, is asked for here.
+template <int R, class Tile>
+void panel_tile_loop(std::size_t n, std::size_t depth, std::size_t step, NextWeights next,
+                     const Tile& tile) {
+  const std::size_t nr = n / R * R;
+  const std::size_t blocks = (depth + step - 1) / step;
+  const std::size_t units = blocks * (nr / R);
+  std::size_t u = 0;
+  for (std::size_t d0 = 0; d0 < depth; d0 += step) {
+    const std::size_t d1 = std::min(depth, d0 + step);
+    std::size_t t = 0;
+    for (; t < nr; t += R, ++u) {
+      const NextWeights share = next.part(u, u + 1, units);
+      tile(std::integral_constant<int, R>{}, t, d0, d1, share);
+      share.lines(d1 - d0, share.bytes / 64 + 1);  // what a depth step each did not cover
+    }
+    for (; t + 2 <= n; t += 2) tile(std::integral_constant<int, 2>{}, t, d0, d1, NextWeights{});
+    if (t < n) tile(std::integral_constant<int, 1>{}, t, d0, d1, NextWeights{});
+  }
+  if (units == 0) next.lines(0, next.bytes / 64 + 1);
+}
+
 #if KVDECODE_X86_KERNELS
 KVDECODE_INTRINSICS_BEGIN
 
@@ -194,36 +222,20 @@ KVDECODE_TARGET_AVX512 inline void packed_tile_avx512(float* y, std::size_t y_st
   store_tile_avx512<R, C>(y, y_stride, cols, acc, k0 == 0);
 }
 
-/// packed_panel_avx512 for a panel of cols ≤ 16 C columns: tiles of R tokens (about 24
-/// accumulators, so a narrow panel at the end of a slice computes no zero columns), then pairs
-/// and a single token. Depth blocks outer, tiles inner: a block's slice of the panel
-/// (kPackedDepth × 64 floats) stays in L1 while every tile reads it, where a whole panel would
-/// not; each output still adds its depth blocks to y in index order. The next weights are shared
-/// out over the R-token tiles of every depth block.
+/// packed_panel_avx512 for a panel of cols ≤ 16 C columns, through panel_tile_loop: tiles of R
+/// tokens (about 24 accumulators, so a narrow panel at the end of a slice computes no zero
+/// columns) over depth blocks of kPackedDepth (kPackedDepth × 64 floats of panel).
 template <int R, int C>
 KVDECODE_TARGET_AVX512 inline void packed_tiles_avx512(float* y, std::size_t y_stride,
                                                        const float* x, std::size_t n,
                                                        std::size_t in, const float* panel,
                                                        std::size_t cols, NextWeights next) {
-  const std::size_t nr = n / R * R;
-  const std::size_t blocks = (in + kPackedDepth - 1) / kPackedDepth;
-  const std::size_t units = blocks * (nr / R);
-  std::size_t u = 0;
-  for (std::size_t k0 = 0; k0 < in; k0 += kPackedDepth) {
-    const std::size_t k1 = std::min(in, k0 + kPackedDepth);
-    std::size_t t = 0;
-    for (; t < nr; t += R, ++u) {
-      const NextWeights share = next.part(u, u + 1, units);
-      packed_tile_avx512<R, C>(y + t * y_stride, y_stride, x + t * in, in, panel, cols, k0, k1,
-                               share);
-      share.lines(k1 - k0, share.bytes / 64 + 1);  // what a depth step each did not cover
-    }
-    for (; t + 2 <= n; t += 2)
-      packed_tile_avx512<2, C>(y + t * y_stride, y_stride, x + t * in, in, panel, cols, k0, k1);
-    if (t < n)
-      packed_tile_avx512<1, C>(y + t * y_stride, y_stride, x + t * in, in, panel, cols, k0, k1);
-  }
-  if (units == 0) next.lines(0, next.bytes / 64 + 1);
+  panel_tile_loop<R>(
+      n, in, kPackedDepth, next,
+      [&](auto rows, std::size_t t, std::size_t k0, std::size_t k1, NextWeights share) {
+        packed_tile_avx512<decltype(rows)::value, C>(y + t * y_stride, y_stride, x + t * in, in,
+                                                     panel, cols, k0, k1, share);
+      });
 }
 
 KVDECODE_TARGET_AVX512 inline void packed_panel_avx512(float* y, std::size_t y_stride,
@@ -336,36 +348,18 @@ KVDECODE_TARGET_AVX512BF16 inline void pairs_tile_avx512bf16(float* y, std::size
 }
 
 /// packed_tiles_avx512 on pairs: depth blocks of kPackedDepth pairs (2 kPackedDepth depths: the
-/// same 16 KiB slice of the panel in L1 as an f32 block) outer, tiles of R tokens inner, then
-/// pairs and a single token.
+/// same 16 KiB slice of the panel in L1 as an f32 block).
 template <int R, int C>
 KVDECODE_TARGET_AVX512BF16 inline void pairs_tiles_avx512bf16(float* y, std::size_t y_stride,
                                                               const bf16* x, std::size_t ldx,
                                                               std::size_t n, const bf16* panel,
                                                               std::size_t cols, NextWeights next) {
-  const std::size_t pairs = ldx / 2;
-  const std::size_t step = kPackedDepth;
-  const std::size_t nr = n / R * R;
-  const std::size_t blocks = (pairs + step - 1) / step;
-  const std::size_t units = blocks * (nr / R);
-  std::size_t u = 0;
-  for (std::size_t p0 = 0; p0 < pairs; p0 += step) {
-    const std::size_t p1 = std::min(pairs, p0 + step);
-    std::size_t t = 0;
-    for (; t < nr; t += R, ++u) {
-      const NextWeights share = next.part(u, u + 1, units);
-      pairs_tile_avx512bf16<R, C>(y + t * y_stride, y_stride, x + t * ldx, ldx, panel, cols, p0, p1,
-                                  share);
-      share.lines(p1 - p0, share.bytes / 64 + 1);  // what a pair step each did not cover
-    }
-    for (; t + 2 <= n; t += 2)
-      pairs_tile_avx512bf16<2, C>(y + t * y_stride, y_stride, x + t * ldx, ldx, panel, cols, p0,
-                                  p1);
-    if (t < n)
-      pairs_tile_avx512bf16<1, C>(y + t * y_stride, y_stride, x + t * ldx, ldx, panel, cols, p0,
-                                  p1);
-  }
-  if (units == 0) next.lines(0, next.bytes / 64 + 1);
+  panel_tile_loop<R>(
+      n, ldx / 2, kPackedDepth, next,
+      [&](auto rows, std::size_t t, std::size_t p0, std::size_t p1, NextWeights share) {
+        pairs_tile_avx512bf16<decltype(rows)::value, C>(y + t * y_stride, y_stride, x + t * ldx,
+                                                        ldx, panel, cols, p0, p1, share);
+      });
 }
 
 KVDECODE_TARGET_AVX512BF16 inline void pairs_panel_avx512bf16(float* y, std::size_t y_stride,
