@@ -14,7 +14,9 @@
 //                             context each, on the 15M and 42M shapes, 1 or 2 threads: aggregate
 //                             tokens/s as items/s (B = 1 is the baseline);
 //   BM_DecodeBatchInterleaved B = 1 and B = 16 in turns of a few steps each: the median ratio
-//                             of their aggregate tokens/s, whatever else the machine runs.
+//                             of their aggregate tokens/s, whatever else the machine runs, and
+//                             the ratio's ceiling: B = 16's projections at the FMA peak measured
+//                             in the run (peak_probes.hpp) against B = 1's measured step.
 // Every store is checked against the contiguous store's logits before it is timed.
 // Before any Eigen include: GCC 12's false -Wmaybe-uninitialized (see bench_model.hpp).
 #if defined(__GNUC__) && !defined(__clang__)
@@ -34,11 +36,14 @@
 
 #include "in_turns.hpp"
 #include "kvdecode/kvdecode.hpp"
+#include "peak_probes.hpp"
 
 namespace {
 
 using namespace kvdecode;
+using kvdecode::bench::fma_pass;
 using kvdecode::bench::in_turns;
+using kvdecode::bench::measured_peak;
 using kvdecode::bench::median_of;
 
 // The examples' demo model (serve_batch runs the same shape and weights).
@@ -447,6 +452,16 @@ void BM_DecodeBatchInterleaved(benchmark::State& state) {
   in_turns(
       state, "B1_ms", [&] { return turn(one); }, "B16_ms", [&] { return turn(sixteen); },
       "B16/B1_tok_s", [](double b1, double b16) { return 16 * b1 / b16; });
+  // The step's projections (16 tokens × 2 flops × every matrix weight) against the FMA peak
+  // measured now: B = 16 cannot beat B = 1 by more than `ceiling` unless it computes faster
+  // than the peak, whatever its attention costs.
+  const double flops = 16.0 * 2.0 * static_cast<double>(step_weight_bytes(model.config())) / 4.0;
+  const double peak = measured_peak<fma_pass>() * 1e9 * static_cast<double>(n_threads);
+  if (peak > 0) {
+    const double b16_s = state.counters["B16_ms"] * 1e-3;
+    state.counters["B16_peak%"] = 100.0 * flops / b16_s / peak;
+    state.counters["ceiling"] = 16.0 * state.counters["B1_ms"] * 1e-3 / (flops / peak);
+  }
 }
 // Args: shape (0 = 15M, 1 = 42M), threads.
 BENCHMARK(BM_DecodeBatchInterleaved)

@@ -21,6 +21,7 @@
 
 #include "kvdecode/io/checkpoint.hpp"
 #include "kvdecode/kvdecode.hpp"  // and <immintrin.h>, through detail/cpu.hpp
+#include "peak_probes.hpp"
 
 namespace {
 
@@ -134,68 +135,10 @@ void BM_ReadBandwidth(benchmark::State& state) {
 // peak is measured too and prefill reports both ratios.
 // ---------------------------------------------------------------------------------------------
 
-/// GFLOP/s of one thread running 12 independent FMA chains (enough to cover 4-cycle latency
-/// on 2-3 pipes) for `reps` steps.
-double fma_pass(std::size_t reps) {
-#if defined(__AVX512F__)
-  __m512 acc[12];
-  for (int i = 0; i < 12; ++i) acc[i] = _mm512_set1_ps(static_cast<float>(i));
-  const __m512 a = _mm512_set1_ps(0.999999f), b = _mm512_set1_ps(1e-7f);
-  const auto t0 = Clock::now();
-  for (std::size_t r = 0; r < reps; ++r)
-    for (int i = 0; i < 12; ++i) acc[i] = _mm512_fmadd_ps(acc[i], a, b);
-  const double s = std::chrono::duration<double>(Clock::now() - t0).count();
-  for (int i = 1; i < 12; ++i) acc[0] = _mm512_add_ps(acc[0], acc[i]);
-  benchmark::DoNotOptimize(acc[0]);
-  return static_cast<double>(reps) * 12 * 16 * 2 / s * 1e-9;
-#else
-  (void)reps;
-  return 0;
-#endif
-}
-
-#if KVDECODE_X86_KERNELS
-KVDECODE_INTRINSICS_BEGIN
-/// Seconds of 12 independent vdpbf16ps chains for `reps` steps, compiled for the avx512bf16 set
-/// as the library's kernels are, whatever the build's -march.
-KVDECODE_TARGET_AVX512BF16 double dpbf16_chains(std::size_t reps) {
-  __m512 acc[12];
-  for (int i = 0; i < 12; ++i) acc[i] = _mm512_set1_ps(static_cast<float>(i));
-  const auto a = (__m512bh)_mm512_set1_epi16(0x3F80);  // bf16 1.0
-  const auto b = (__m512bh)_mm512_set1_epi16(0x3380);  // bf16 2^-24
-  const auto t0 = Clock::now();
-  for (std::size_t r = 0; r < reps; ++r)
-    for (int i = 0; i < 12; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], a, b);
-  const double s = std::chrono::duration<double>(Clock::now() - t0).count();
-  for (int i = 1; i < 12; ++i) acc[0] = _mm512_add_ps(acc[0], acc[i]);
-  benchmark::DoNotOptimize(acc[0]);
-  return s;
-}
-KVDECODE_INTRINSICS_END
-#endif
-
-/// The same for vdpbf16ps (two bf16 products per lane: 64 flops an instruction), the
-/// instruction of bf16-weight prefill on bf16 pairs; 0 where the CPU lacks it.
-double dpbf16_pass(std::size_t reps) {
-#if KVDECODE_X86_KERNELS
-  if (!cpu_supports(KernelSet::kAvx512Bf16)) return 0;
-  return static_cast<double>(reps) * 12 * 32 * 2 / dpbf16_chains(reps) * 1e-9;
-#else
-  (void)reps;
-  return 0;
-#endif
-}
-
-/// The measured per-core peak of a probe, once per run (best of 3 × ~20 ms).
-template <double (*kPass)(std::size_t)>
-double measured_peak() {
-  static const double peak = [] {
-    double best = 0;
-    for (int i = 0; i < 3; ++i) best = std::max(best, kPass(std::size_t{1} << 22));
-    return best;
-  }();
-  return peak;
-}
+// The probes themselves are in peak_probes.hpp (paged_bench's batched decode reads them too).
+using bench::dpbf16_pass;
+using bench::fma_pass;
+using bench::measured_peak;
 
 void BM_FmaPeak(benchmark::State& state) {
   double gflops = 0;
