@@ -133,7 +133,9 @@ inline bool online_softmax_row(T* row_data, std::size_t cols, T& m, T& l, T* o, 
     return false;
   }
   const T new_max = std::max(m, tile_max);
-  const T correction = std::exp(m - new_max);  // exp(-inf) = 0 on the first tile
+  // exp(-inf) = 0 on the first tile; a max that did not move (most tiles past the first few)
+  // skips the call: exp(0) is exactly 1.
+  const T correction = new_max == m ? T(1) : std::exp(m - new_max);
   T sum;
   if constexpr (std::is_same_v<T, float>) {
     sum = softmax_exp(ks, row_data, cols, new_max);
