@@ -48,29 +48,27 @@ KVDECODE_TARGET_AVX512BF16 inline double dpbf16_chains(std::size_t reps) {
 KVDECODE_INTRINSICS_END
 #endif
 
-/// GFLOP/s of one thread's 512-bit f32 FMAs (16 lanes × 2 flops an instruction) over `reps`
-/// steps; 0 without AVX-512.
+#if KVDECODE_X86_KERNELS
+/// GFLOP/s of `chains` (12 chains of an instruction of `flops` flops, `reps` steps) where the
+/// CPU has set ks; 0 where it has not.
+inline double chains_gflops(KernelSet ks, double (*chains)(std::size_t), double flops,
+                            std::size_t reps) {
+  if (!cpu_supports(ks)) return 0;
+  return static_cast<double>(reps) * 12 * flops / chains(reps) * 1e-9;
+}
+/// One thread's 512-bit f32 FMAs (16 lanes × 2 flops an instruction).
 inline double fma_pass(std::size_t reps) {
-#if KVDECODE_X86_KERNELS
-  if (!cpu_supports(KernelSet::kAvx512)) return 0;
-  return static_cast<double>(reps) * 12 * 16 * 2 / fma_chains(reps) * 1e-9;
-#else
-  static_cast<void>(reps);
-  return 0;
-#endif
+  return chains_gflops(KernelSet::kAvx512, fma_chains, 16 * 2, reps);
 }
-
-/// The same for vdpbf16ps (two bf16 products per lane: 64 flops an instruction), the
-/// instruction of bf16-weight prefill on bf16 pairs; 0 where the CPU lacks it.
+/// vdpbf16ps (two bf16 products per lane: 64 flops an instruction), the instruction of
+/// bf16-weight prefill on bf16 pairs.
 inline double dpbf16_pass(std::size_t reps) {
-#if KVDECODE_X86_KERNELS
-  if (!cpu_supports(KernelSet::kAvx512Bf16)) return 0;
-  return static_cast<double>(reps) * 12 * 32 * 2 / dpbf16_chains(reps) * 1e-9;
-#else
-  static_cast<void>(reps);
-  return 0;
-#endif
+  return chains_gflops(KernelSet::kAvx512Bf16, dpbf16_chains, 32 * 2, reps);
 }
+#else
+inline double fma_pass(std::size_t) { return 0; }
+inline double dpbf16_pass(std::size_t) { return 0; }
+#endif
 
 /// The measured per-core peak of a probe, once per run (best of 3 × ~20 ms).
 template <double (*kPass)(std::size_t)>
