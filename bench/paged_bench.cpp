@@ -393,15 +393,14 @@ class DecodeBatchSetup {
   std::vector<std::int32_t> next_;
 };
 
-/// Bytes of weights one step reads: every matrix, the classifier, no embedding table.
-std::size_t step_weight_bytes(const ModelConfig& cfg) {
+/// Weights one step reads: every matrix, the classifier, no embedding table.
+std::size_t step_weights(const ModelConfig& cfg) {
   const auto dim = static_cast<std::size_t>(cfg.dim);
   const auto kv_dim = static_cast<std::size_t>(cfg.kv_dim());
-  return (static_cast<std::size_t>(cfg.n_layers) *
-              (2 * dim * dim + 2 * kv_dim * dim +
-               3 * static_cast<std::size_t>(cfg.hidden_dim) * dim) +
-          static_cast<std::size_t>(cfg.vocab_size) * dim) *
-         sizeof(float);
+  return static_cast<std::size_t>(cfg.n_layers) *
+             (2 * dim * dim + 2 * kv_dim * dim +
+              3 * static_cast<std::size_t>(cfg.hidden_dim) * dim) +
+         static_cast<std::size_t>(cfg.vocab_size) * dim;
 }
 
 void BM_DecodeBatch(benchmark::State& state) {
@@ -414,7 +413,8 @@ void BM_DecodeBatch(benchmark::State& state) {
   DecodeBatchSetup setup(cfg, B, n_threads > 1 ? &threads : nullptr);
   for (auto _ : state) setup.step(model);
   state.SetItemsProcessed(static_cast<std::int64_t>(state.iterations() * B));
-  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations() * step_weight_bytes(cfg)));
+  state.SetBytesProcessed(
+      static_cast<std::int64_t>(state.iterations() * step_weights(cfg) * sizeof(float)));
 }
 // Args: shape (0 = 15M, 1 = 42M), B, threads.
 BENCHMARK(BM_DecodeBatch)
@@ -455,7 +455,7 @@ void BM_DecodeBatchInterleaved(benchmark::State& state) {
   // The step's projections (16 tokens × 2 flops × every matrix weight) against the FMA peak
   // measured now: B = 16 cannot beat B = 1 by more than `ceiling` unless it computes faster
   // than the peak, whatever its attention costs.
-  const double flops = 16.0 * 2.0 * static_cast<double>(step_weight_bytes(model.config())) / 4.0;
+  const double flops = 16.0 * 2.0 * static_cast<double>(step_weights(model.config()));
   const double peak = measured_peak<fma_pass>() * 1e9 * static_cast<double>(n_threads);
   if (peak > 0) {
     const double b16_s = state.counters["B16_ms"] * 1e-3;
