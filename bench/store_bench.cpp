@@ -6,7 +6,9 @@
 //
 // Shape: llama2.c's stories15M (dim 288, hidden 768, 6 layers, 6 heads of 48, no GQA) with vocab
 // 512, so the classifier (512 × 288) does not hide the cache, and seq_len 16448 (T = 16384 cached
-// positions plus the new one, rounded up to a group of 64).
+// positions plus the new one, rounded up to a group of 64). BM_StoreDecodeGqa: the same with 2
+// kv heads (GQA, 3 query heads each): a third of the bytes per position, the same attention
+// arithmetic per query head.
 //
 // The cache is filled by writing random K/V rows straight into the store (the timing does not
 // depend on the values, and a prefill of 16384 tokens would cost minutes); the timed loop is
@@ -28,6 +30,7 @@
 #include <cstdint>
 #include <ctime>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "bench_model.hpp"
@@ -70,17 +73,21 @@ double probe_bandwidth() {
   return passes[1];
 }
 
+constexpr std::int64_t kMhaKvHeads = 6;  // bench_config()'s heads: one kv head each
+constexpr std::int64_t kGqaKvHeads = 2;  // 3 query heads per kv head
+
 /// bench_config()'s 15M shape with a 16448-position context and a small vocabulary.
-ModelConfig long_config() {
-  ModelConfig c = bench::bench_config();
+ModelConfig long_config(std::int64_t kv_heads) {
+  ModelConfig c = bench::bench_config(kv_heads);
   c.vocab_size = 512;
   c.seq_len = 16448;
   return c;
 }
 
-const Model<float>& long_model() {
-  static const Model<float> model(random_weights<float>(long_config(), 42));
-  return model;
+const Model<float>& long_model(std::int64_t kv_heads) {
+  static const Model<float> mha(random_weights<float>(long_config(kMhaKvHeads), 42));
+  static const Model<float> gqa(random_weights<float>(long_config(kGqaKvHeads), 42));
+  return kv_heads == kGqaKvHeads ? gqa : mha;
 }
 
 // T positions of random K/V rows, written straight into the store one position per append (a
@@ -109,8 +116,8 @@ void fill(Store& store, const ModelConfig& cfg, std::size_t T) {
 /// One decode step at cache index T of store S built with `options` (capacity T + 1). The K/V
 /// bytes it reads come from the work counters, which ask the store.
 template <class S>
-void BM_StoreDecode(benchmark::State& state, typename S::Options options) {
-  const Model<float>& model = long_model();
+void BM_StoreDecode(benchmark::State& state, typename S::Options options, std::int64_t kv_heads) {
+  const Model<float>& model = long_model(kv_heads);
   const ModelConfig& cfg = model.config();
   const auto T = static_cast<std::size_t>(state.range(0));
   options.capacity = T + 1;
@@ -167,20 +174,23 @@ constexpr WindowOptions window_options(WindowPolicy policy) {
 
 // Registered by hand: BENCHMARK_CAPTURE cannot take a template's name.
 const bool kRegistered = [] {
-  benchmark::RegisterBenchmark("BM_StoreDecode/f32", BM_StoreDecode<ContiguousStore<float>>,
-                               ContiguousStore<float>::Options{})
-      ->Apply(contexts);
-  benchmark::RegisterBenchmark("BM_StoreDecode/int8", BM_StoreDecode<Int8Store<float>>,
-                               Int8Store<float>::Options{})
-      ->Apply(contexts);
-  benchmark::RegisterBenchmark("BM_StoreDecode/q4", BM_StoreDecode<Q4Store<float>>,
-                               Q4Store<float>::Options{})
-      ->Apply(contexts);
+  for (const std::int64_t kv_heads : {kMhaKvHeads, kGqaKvHeads}) {
+    const std::string name = kv_heads == kMhaKvHeads ? "BM_StoreDecode" : "BM_StoreDecodeGqa";
+    benchmark::RegisterBenchmark((name + "/f32").c_str(), BM_StoreDecode<ContiguousStore<float>>,
+                                 ContiguousStore<float>::Options{}, kv_heads)
+        ->Apply(contexts);
+    benchmark::RegisterBenchmark((name + "/int8").c_str(), BM_StoreDecode<Int8Store<float>>,
+                                 Int8Store<float>::Options{}, kv_heads)
+        ->Apply(contexts);
+    benchmark::RegisterBenchmark((name + "/q4").c_str(), BM_StoreDecode<Q4Store<float>>,
+                                 Q4Store<float>::Options{}, kv_heads)
+        ->Apply(contexts);
+  }
   benchmark::RegisterBenchmark("BM_StoreDecode/window", BM_StoreDecode<WindowStore<float>>,
-                               window_options(WindowPolicy::kTrainedWindow))
+                               window_options(WindowPolicy::kTrainedWindow), kMhaKvHeads)
       ->Apply(contexts);
   benchmark::RegisterBenchmark("BM_StoreDecode/streaming", BM_StoreDecode<WindowStore<float>>,
-                               window_options(WindowPolicy::kStreaming))
+                               window_options(WindowPolicy::kStreaming), kMhaKvHeads)
       ->Apply(contexts);
   return true;
 }();
