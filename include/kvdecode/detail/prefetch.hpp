@@ -27,4 +27,15 @@ KVDECODE_PREFETCH_INLINE void prefetch_bytes(const void* p, std::size_t bytes) {
 #endif
 }
 
+/// prefetch_bytes into the L2 only: for lines wanted a while from now, which would only push
+/// nearer ones out of the L1.
+KVDECODE_PREFETCH_INLINE void prefetch_bytes_l2(const void* p, std::size_t bytes) {
+#if defined(__GNUC__) || defined(__clang__)
+  const auto* c = static_cast<const char*>(p);
+  for (std::size_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o, 0, 2);
+#else
+  static_cast<void>(p), static_cast<void>(bytes);
+#endif
+}
+
 }  // namespace kvdecode::detail
