@@ -16,23 +16,17 @@
 
 namespace kvdecode::detail {
 
+/// Where a request brings its lines: the L1 (and the levels below) for lines read next, the L2
+/// for lines wanted a while from now, which in the L1 would only push nearer ones out.
+enum class PrefetchTo { kL1 = 3, kL2 = 2 };  // __builtin_prefetch's locality
+
 /// Requests the lines of [p, p + bytes) for reading (a no-op where the compiler has no
 /// prefetch built-in; a request never faults).
+template <PrefetchTo kTo = PrefetchTo::kL1>
 KVDECODE_PREFETCH_INLINE void prefetch_bytes(const void* p, std::size_t bytes) {
 #if defined(__GNUC__) || defined(__clang__)
   const auto* c = static_cast<const char*>(p);
-  for (std::size_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o, 0, 3);
-#else
-  static_cast<void>(p), static_cast<void>(bytes);
-#endif
-}
-
-/// prefetch_bytes into the L2 only: for lines wanted a while from now, which would only push
-/// nearer ones out of the L1.
-KVDECODE_PREFETCH_INLINE void prefetch_bytes_l2(const void* p, std::size_t bytes) {
-#if defined(__GNUC__) || defined(__clang__)
-  const auto* c = static_cast<const char*>(p);
-  for (std::size_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o, 0, 2);
+  for (std::size_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o, 0, static_cast<int>(kTo));
 #else
   static_cast<void>(p), static_cast<void>(bytes);
 #endif

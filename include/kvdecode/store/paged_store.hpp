@@ -351,8 +351,10 @@ class PagedStore {
       while (j < n && table_[j] == table_[j - 1] + 1) ++j;
       if (j < n)
         for (std::size_t a = j + 1; a < std::min(n, j + 1 + ahead); ++a) {
-          detail::prefetch_bytes_l2(pool.keys(table_[a], layer, kv_head), block_bytes);
-          detail::prefetch_bytes_l2(pool.values(table_[a], layer, kv_head), block_bytes);
+          detail::prefetch_bytes<detail::PrefetchTo::kL2>(pool.keys(table_[a], layer, kv_head),
+                                                          block_bytes);
+          detail::prefetch_bytes<detail::PrefetchTo::kL2>(pool.values(table_[a], layer, kv_head),
+                                                          block_bytes);
         }
       const std::size_t first = i * bs;
       sink(KvBlock<T>{pool.keys(table_[i], layer, kv_head), pool.values(table_[i], layer, kv_head),
