@@ -84,10 +84,14 @@ ModelConfig long_config(std::int64_t kv_heads) {
   return c;
 }
 
+/// The model of long_config(kv_heads), built at its first use.
 const Model<float>& long_model(std::int64_t kv_heads) {
+  if (kv_heads == kGqaKvHeads) {
+    static const Model<float> gqa(random_weights<float>(long_config(kGqaKvHeads), 42));
+    return gqa;
+  }
   static const Model<float> mha(random_weights<float>(long_config(kMhaKvHeads), 42));
-  static const Model<float> gqa(random_weights<float>(long_config(kGqaKvHeads), 42));
-  return kv_heads == kGqaKvHeads ? gqa : mha;
+  return mha;
 }
 
 // T positions of random K/V rows, written straight into the store one position per append (a

@@ -345,17 +345,18 @@ class PagedStore {
     const std::size_t bs = pool.block_size();
     const std::size_t n = (end + bs - 1) / bs;  // table entries covering [0, end)
     const std::size_t block_bytes = bs * pool.head_size() * sizeof(T);  // a block's keys
-    const std::size_t ahead = std::max<std::size_t>(1, kRunPrefetchBytes / (2 * block_bytes));
     for (std::size_t i = 0; i < n;) {
       std::size_t j = i + 1;
       while (j < n && table_[j] == table_[j - 1] + 1) ++j;
-      if (j < n)
-        for (std::size_t a = j + 1; a < std::min(n, j + 1 + ahead); ++a) {
-          detail::prefetch_bytes<detail::PrefetchTo::kL2>(pool.keys(table_[a], layer, kv_head),
-                                                          block_bytes);
-          detail::prefetch_bytes<detail::PrefetchTo::kL2>(pool.values(table_[a], layer, kv_head),
-                                                          block_bytes);
-        }
+      // Half the bytes for keys, half for values, block after block (the last one in part).
+      for (std::size_t a = j + 1, left = kRunPrefetchBytes / 2; a < n && left > 0; ++a) {
+        const std::size_t bytes = std::min(block_bytes, left);
+        detail::prefetch_bytes<detail::PrefetchTo::kL2>(pool.keys(table_[a], layer, kv_head),
+                                                        bytes);
+        detail::prefetch_bytes<detail::PrefetchTo::kL2>(pool.values(table_[a], layer, kv_head),
+                                                        bytes);
+        left -= bytes;
+      }
       const std::size_t first = i * bs;
       sink(KvBlock<T>{pool.keys(table_[i], layer, kv_head), pool.values(table_[i], layer, kv_head),
                       pool.head_size(), first, std::min(j * bs, end) - first});
