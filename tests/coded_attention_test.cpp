@@ -241,6 +241,70 @@ bool same_bits(std::span<const float> a, std::span<const float> b) {
   });
 }
 
+// 8-bit keys scored for the query heads that share a kv head (coded_heads_scores_int8): each
+// head bit for bit coded_scores_int8 alone (checked against the formula above), for head
+// counts that fill, split and leave part of the kernel's passes of kVnniHeadsAtOnce heads, with
+// nothing written past a head's rows; and at the integer sums' limits (every code 255, every
+// rounded query channel -16383, head size kMaxVnniInt8HeadSize).
+TEST(CodedAttentionTest, Int8HeadScoresAreEachHeadAlone) {
+  std::vector<Shape> shapes(std::begin(kShapes), std::end(kShapes));
+  shapes.push_back({256, 33});  // four 64-channel chunks
+  for (const KernelSet ks : supported_sets())
+    for (const Shape sh : shapes)
+      for (const std::size_t heads : {1, 2, 3, 4, 5, 8}) {
+        detail::SplitMix64 rng(sh.hs * 53 + sh.rows * 11 + heads);
+        const std::size_t hs = sh.hs, rows = sh.rows, cols = rows + 3,
+                          qv_size = detail::int8_query_floats(hs) + 7;
+        std::vector<float> q(heads * hs), qv(heads * qv_size), qsum(2 * heads);
+        std::vector<std::uint16_t> kmin(rows), kstep(rows);  // f16
+        std::vector<std::uint8_t> kc(rows * hs);             // [rows][hs]
+        for (float& x : q) x = uniform(rng);
+        for (std::size_t r = 0; r < rows; ++r) {
+          kmin[r] = random_f16(rng, true);
+          kstep[r] = random_f16(rng, false);
+        }
+        for (auto& c : kc) c = static_cast<std::uint8_t>(rng.next());
+        for (std::size_t h = 0; h < heads; ++h) {
+          detail::int8_query(ks, qv.data() + h * qv_size, q.data() + h * hs, hs);
+          for (std::size_t c = 0; c < hs; ++c) qsum[2 * h] += q[h * hs + c];
+        }
+        const float scale = 0.3f;
+        std::vector<float> s(heads * cols, -1.0f), alone(rows);
+        detail::coded_heads_scores_int8(ks, s.data(), cols, q.data(), hs, qv.data(), qv_size,
+                                        qsum.data(), 2, heads, kc.data(), kmin.data(), kstep.data(),
+                                        rows, hs, scale);
+        for (std::size_t h = 0; h < heads; ++h) {
+          const std::string where = std::string(kernel_set_name(ks)) + " hs " + std::to_string(hs) +
+                                    " rows " + std::to_string(rows) + " head " + std::to_string(h) +
+                                    " of " + std::to_string(heads);
+          detail::coded_scores_int8(ks, alone.data(), q.data() + h * hs, qv.data() + h * qv_size,
+                                    qsum[2 * h], kc.data(), kmin.data(), kstep.data(), rows, hs,
+                                    scale);
+          ASSERT_TRUE(same_bits(alone, std::span<const float>(s.data() + h * cols, rows)))
+              << where << ": scores differ from the head alone";
+          for (std::size_t c = rows; c < cols; ++c)
+            ASSERT_EQ(s[h * cols + c], -1.0f) << where << ": wrote past its rows";
+        }
+      }
+  for (const KernelSet ks : supported_sets()) {
+    const std::size_t hs = detail::kMaxVnniInt8HeadSize, rows = 16, heads = 5;
+    const std::vector<float> q(heads * hs, -1.0f), qsum(heads, -static_cast<float>(hs));
+    const std::vector<std::uint8_t> kc(rows * hs, 255);
+    const std::vector<std::uint16_t> zero(rows, detail::f16_from_float(0.0f)),
+        one(rows, detail::f16_from_float(1.0f));
+    const std::size_t qv_size = detail::int8_query_floats(hs);
+    std::vector<float> qv(heads * qv_size), s(heads * rows);
+    for (std::size_t h = 0; h < heads; ++h)
+      detail::int8_query(ks, qv.data() + h * qv_size, q.data() + h * hs, hs);
+    detail::coded_heads_scores_int8(ks, s.data(), rows, q.data(), hs, qv.data(), qv_size,
+                                    qsum.data(), 1, heads, kc.data(), zero.data(), one.data(), rows,
+                                    hs, 1.0f);
+    for (const float x : s)
+      ASSERT_NEAR(x, -255.0 * static_cast<double>(hs), 1e-6 * 255 * static_cast<double>(hs))
+          << kernel_set_name(ks);
+  }
+}
+
 // The query heads that share a kv head, scored and summed together (f32_heads_scores,
 // f32_heads_pv): each head against the formula in double; bit for bit the same head alone (a
 // head's attention does not depend on the heads beside it); and in the AVX-512 sets bit for bit

@@ -29,6 +29,7 @@
 #include "kvdecode/detail/f16.hpp"
 #include "kvdecode/detail/gemv.hpp"  // KVDECODE_UNROLL
 #include "kvdecode/detail/prefetch.hpp"
+#include "kvdecode/detail/transpose.hpp"
 
 namespace kvdecode::detail {
 
@@ -671,6 +672,77 @@ KVDECODE_TARGET_AVX512BF16 inline void int8_scores_vnni(
   }
 }
 
+/// Query heads int8_heads_scores_vnni scores in one pass over a group of rows: their int32 sums
+/// stay in registers beside the group's 16 transposed code registers.
+inline constexpr std::size_t kVnniHeadsAtOnce = 4;
+
+/// int8_scores_vnni for the query heads that share a kv head: s [heads][s_stride] (first rows
+/// of each), head h with its query at qv + h · qv_stride and its Σ q at qsum [h · qsum_stride];
+/// each head's bits are int8_scores_vnni's (the same int32 sums, summed in another order). 16
+/// rows' codes are transposed in registers once for up to kVnniHeadsAtOnce heads (a register
+/// per 4 channels, a lane per row), so a head takes one vpdpbusd per 4 channels and 16 rows
+/// with no reduction: with several heads a row the transpose costs less than their reductions.
+KVDECODE_TARGET_AVX512BF16 inline void int8_heads_scores_vnni(
+    float* s, std::size_t s_stride, const float* qv, std::size_t qv_stride, const float* qsum,
+    std::size_t qsum_stride, std::size_t heads, const std::uint8_t* codes,
+    const std::uint16_t* kmin, const std::uint16_t* kstep, std::size_t rows, std::size_t hs,
+    float scale) {
+  constexpr std::size_t kAtOnce = kVnniHeadsAtOnce;
+  const __m512 vs = _mm512_set1_ps(scale);
+  for (std::size_t r0 = 0; r0 < rows; r0 += 16) {
+    const std::size_t count = rows - r0 < 16 ? rows - r0 : 16;
+    const __mmask16 m = coded_mask16(count);
+    const std::uint8_t* const group = codes + r0 * hs;  // [count][hs]
+    for (std::size_t i = 0; i < count; ++i)
+      _mm_prefetch(reinterpret_cast<const char*>(group + i * hs) + kPrefetchBytes, _MM_HINT_T0);
+    const __m512 step = load_f16_avx512(kstep + r0, m), low = load_f16_avx512(kmin + r0, m);
+    for (std::size_t h0 = 0; h0 < heads; h0 += kAtOnce) {
+      const std::size_t at_once = heads - h0 < kAtOnce ? heads - h0 : kAtOnce;
+      __m512i hi[kAtOnce], lo[kAtOnce];  // lane i: row r0 + i's Σ of the hi (lo) query bytes
+      KVDECODE_UNROLL
+      for (std::size_t h = 0; h < kAtOnce; ++h) hi[h] = lo[h] = _mm512_setzero_si512();
+      for (std::size_t c0 = 0; c0 < hs; c0 += 64) {
+        const std::size_t bytes = hs - c0 < 64 ? hs - c0 : 64, quads = (bytes + 3) / 4;
+        const __mmask64 bm = bytes == 64 ? ~__mmask64{0} : (__mmask64{1} << bytes) - 1;
+        __m512i t[16];  // row i's channels [c0, c0 + 64), then channels c0 + 4k .. + 3 of 16 rows
+        KVDECODE_UNROLL
+        for (std::size_t i = 0; i < 16; ++i)
+          t[i] =
+              i < count ? _mm512_maskz_loadu_epi8(bm, group + i * hs + c0) : _mm512_setzero_si512();
+        transpose_16x16(t);
+        KVDECODE_UNROLL
+        for (std::size_t h = 0; h < kAtOnce; ++h) {
+          if (h >= at_once) break;
+          // The query's hi bytes of channels [c0, c0 + 64), then its lo bytes (int8_query_vnni).
+          const auto* const qb =
+              reinterpret_cast<const std::uint8_t*>(qv + (h0 + h) * qv_stride) + 64 + 2 * c0;
+          KVDECODE_UNROLL
+          for (std::size_t k = 0; k < 16; ++k) {
+            if (k >= quads) break;
+            std::int32_t qhi, qlo;
+            std::memcpy(&qhi, qb + 4 * k, 4);
+            std::memcpy(&qlo, qb + 64 + 4 * k, 4);
+            hi[h] = _mm512_dpbusd_epi32(hi[h], t[k], _mm512_set1_epi32(qhi));
+            lo[h] = _mm512_dpbusd_epi32(lo[h], t[k], _mm512_set1_epi32(qlo));
+          }
+        }
+      }
+      KVDECODE_UNROLL
+      for (std::size_t h = 0; h < kAtOnce; ++h) {
+        if (h >= at_once) break;
+        const std::size_t head = h0 + h;
+        const __m512 vd = _mm512_set1_ps(qv[head * qv_stride]);
+        const __m512 vq = _mm512_set1_ps(qsum[head * qsum_stride]);
+        const __m512i total = _mm512_add_epi32(_mm512_slli_epi32(hi[h], 7), lo[h]);
+        const __m512 sum = _mm512_mul_ps(_mm512_cvtepi32_ps(total), vd);
+        _mm512_mask_storeu_ps(
+            s + head * s_stride + r0, m,
+            _mm512_mul_ps(_mm512_fmadd_ps(sum, step, _mm512_mul_ps(vq, low)), vs));
+      }
+    }
+  }
+}
+
 // p·v with AVX512_VNNI (the avx512bf16 set), 8- and 4-bit values: a tile's weights w[r] =
 // p[r] · vstep[r] are rounded to 15 bits as the query above, w ≈ d · (128·hi + lo), and each
 // channel's Σ_r code · (128·hi + lo) is summed in int32: 64 codes of 4 rows, one byte each, are
@@ -1108,6 +1180,25 @@ inline void coded_scores_int8(KernelSet ks, float* s, const float* q, const floa
 #endif
   static_cast<void>(ks), static_cast<void>(qv);
   coded_scores_int8_portable(s, q, qsum, codes, kmin, kstep, rows, hs, scale);
+}
+
+/// coded_scores_int8 for the query heads that share the kv head of codes: s [heads][s_stride]
+/// (first rows of each), head h's query at q + h · q_stride, qv + h · qv_stride and qsum
+/// [h · qsum_stride]; each head's bits are coded_scores_int8's.
+inline void coded_heads_scores_int8(KernelSet ks, float* s, std::size_t s_stride, const float* q,
+                                    std::size_t q_stride, const float* qv, std::size_t qv_stride,
+                                    const float* qsum, std::size_t qsum_stride, std::size_t heads,
+                                    const std::uint8_t* codes, const std::uint16_t* kmin,
+                                    const std::uint16_t* kstep, std::size_t rows, std::size_t hs,
+                                    float scale) {
+#if KVDECODE_X86_KERNELS
+  if (heads > 1 && int8_query_rounded(ks, hs))
+    return int8_heads_scores_vnni(s, s_stride, qv, qv_stride, qsum, qsum_stride, heads, codes, kmin,
+                                  kstep, rows, hs, scale);
+#endif
+  for (std::size_t h = 0; h < heads; ++h)
+    coded_scores_int8(ks, s + h * s_stride, q + h * q_stride, qv + h * qv_stride,
+                      qsum[h * qsum_stride], codes, kmin, kstep, rows, hs, scale);
 }
 
 /// o [hs] += Σ_r p [r] · (vmin [r] + vstep [r] · codes [r][hs]) (ranges f16), with set ks; w

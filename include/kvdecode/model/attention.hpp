@@ -187,9 +187,10 @@ void attend_kv_head_coded(const ModelConfig& cfg, const S& store, std::size_t la
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const std::size_t q_last = q_first + n - 1;
 
-  float* const s_all = scratch.thread_scores(t);        // [n][kTile] one tile's scores per query
-  float* const m_all = scratch.thread_row_max(t);       // [kv_mul][n]
-  float* const l_all = scratch.thread_row_sum(t);       // [kv_mul][n]
+  float* const s_all = scratch.thread_scores(t);   // [score_rows][kTile] a tile's scores per query
+                                                   // (8-bit keys: per query head of one query)
+  float* const m_all = scratch.thread_row_max(t);  // [kv_mul][n]
+  float* const l_all = scratch.thread_row_sum(t);  // [kv_mul][n]
   float* const qsum_all = scratch.thread_query_sum(t);  // [kv_mul][n] Σ of each query
   float* const qs = scratch.thread_coded(t);     // [round_up(hs, 32)] query ⊙ a group's steps
   float* const qrot = qs + (hs + 31) / 32 * 32;  // [hs] the rotated query
@@ -209,29 +210,43 @@ void attend_kv_head_coded(const ModelConfig& cfg, const S& store, std::size_t la
     }
   }
 
-  // Rows [first, first + rows) of the block: per query head and query, its scores, its mask,
-  // the online softmax, then p·v.
+  // Query r's rows [first, first + rows) of the block for its head j, their scores in srow: the
+  // mask, the online softmax, then p·v.
+  const auto finish_rows = [&](std::size_t j, std::size_t r, float* srow, std::size_t first,
+                               std::size_t rows, const auto& pv_of) {
+    const std::size_t qi = q_first + r;
+    float* const o = out + r * dim + (g * kv_mul + j) * hs;
+    bool full = first + rows - 1 <= qi;
+    if constexpr (MaskingKvStore<S>) full = false;
+    if (!full)
+      for (std::size_t c = 0; c < rows; ++c) {
+        bool visible = first + c <= qi;
+        if constexpr (MaskingKvStore<S>) visible = visible && !store.masks(qi, first + c);
+        if (!visible) srow[c] = neg_inf;
+      }
+    if (online_softmax_row(srow, rows, m_all[j * n + r], l_all[j * n + r], o, hs, ks))
+      pv_of(o, srow);
+  };
+  // Rows [first, first + rows) of the block: per query head and query, its scores, then the rest.
   const auto attend_rows = [&](std::size_t first, std::size_t rows, const auto& scores_of,
                                const auto& pv_of) {
-    for (std::size_t j = 0; j < kv_mul; ++j) {
-      const std::size_t h = g * kv_mul + j;
+    for (std::size_t j = 0; j < kv_mul; ++j)
       for (std::size_t r = 0; r < n; ++r) {
-        const std::size_t qi = q_first + r;
-        if (first > qi) continue;  // every row in this query's future
+        if (first > q_first + r) continue;  // every row in this query's future
         float* const srow = s_all + r * kTile;
-        float* const o = out + r * dim + h * hs;
-        scores_of(srow, q + r * dim + h * hs, qsum_all[j * n + r], qv_all + (j * n + r) * qv_size);
-        bool full = first + rows - 1 <= qi;
-        if constexpr (MaskingKvStore<S>) full = false;
-        if (!full)
-          for (std::size_t c = 0; c < rows; ++c) {
-            bool visible = first + c <= qi;
-            if constexpr (MaskingKvStore<S>) visible = visible && !store.masks(qi, first + c);
-            if (!visible) srow[c] = neg_inf;
-          }
-        if (online_softmax_row(srow, rows, m_all[j * n + r], l_all[j * n + r], o, hs, ks))
-          pv_of(o, srow);
+        scores_of(srow, q + r * dim + (g * kv_mul + j) * hs, qsum_all[j * n + r],
+                  qv_all + (j * n + r) * qv_size);
+        finish_rows(j, r, srow, first, rows, pv_of);
       }
+  };
+  // The same with a query's kv_mul heads scored together into s_all [kv_mul][kTile].
+  const auto attend_rows_by_query = [&](std::size_t first, std::size_t rows,
+                                        const auto& heads_scores_of, const auto& pv_of) {
+    for (std::size_t r = 0; r < n; ++r) {
+      if (first > q_first + r) continue;
+      heads_scores_of(s_all, r);
+      for (std::size_t j = 0; j < kv_mul; ++j)
+        finish_rows(j, r, s_all + j * kTile, first, rows, pv_of);
     }
   };
 
@@ -249,11 +264,12 @@ void attend_kv_head_coded(const ModelConfig& cfg, const S& store, std::size_t la
                          hs);
           qv_ready = true;
         }
-        attend_rows(
+        attend_rows_by_query(
             b.first + r0, rows,
-            [&](float* s, const float* qh, float qsum, const float* qv) {
-              coded_scores_int8(ks, s, qh, qv, qsum, keys, b.key_min + r0, b.key_step + r0, rows,
-                                hs, scale);
+            [&](float* s, std::size_t r) {
+              coded_heads_scores_int8(ks, s, kTile, q + r * dim + g * kv_mul * hs, hs,
+                                      qv_all + r * qv_size, n * qv_size, qsum_all + r, n, kv_mul,
+                                      keys, b.key_min + r0, b.key_step + r0, rows, hs, scale);
             },
             [&](float* o, const float* p) {
               coded_pv_int8(ks, o, p, w, values, b.value_min + r0, b.value_step + r0, rows, hs);
