@@ -474,6 +474,53 @@ TEST(CodedAttentionTest, LowBitKernelsMatchTheFormula) {
 // A group whose key range is not finite (a NaN or infinite min, a NaN or infinite step, as a
 // range beyond f16 or a corrupt file gives) scores every row non-finite in every set, never a
 // finite wrong value.
+// Low-bit keys scored for the query heads that share a kv head (coded_heads_scores_low_bit):
+// each head bit for bit coded_scores_low_bit alone (checked against the formula above), at
+// head counts that fill, split and leave part of the kernel's passes, with nothing written past
+// a head's rows.
+TEST(CodedAttentionTest, LowBitHeadScoresAreEachHeadAlone) {
+  std::vector<Shape> shapes(std::begin(kShapes), std::end(kShapes));
+  shapes.push_back({256, 33});
+  for (const unsigned bits : {4u, 2u})
+    for (const KernelSet ks : supported_sets())
+      for (const Shape sh : shapes)
+        for (const std::size_t heads : {1, 2, 3, 4, 5, 8}) {
+          detail::SplitMix64 rng(sh.hs * 29 + sh.rows * 5 + heads + bits);
+          const std::size_t hs = sh.hs, rows = sh.rows, row_bytes = hs * bits / 8, cols = rows + 3,
+                            qs_size = (hs + 31) / 32 * 32 + 16;
+          if (hs * bits % 8 != 0) continue;
+          std::vector<float> q(hs), qs(heads * qs_size), qm(2 * heads);
+          std::vector<std::uint16_t> kmin(hs), kstep(hs);  // f16, one group's
+          std::vector<std::uint8_t> kc(rows * row_bytes);
+          for (std::size_t c = 0; c < hs; ++c) {
+            kmin[c] = random_f16(rng, true);
+            kstep[c] = random_f16(rng, false);
+          }
+          for (auto& b : kc) b = static_cast<std::uint8_t>(rng.next());
+          for (std::size_t h = 0; h < heads; ++h) {
+            for (float& x : q) x = uniform(rng);
+            qm[2 * h] = detail::low_bit_query(ks, qs.data() + h * qs_size, q.data(), kmin.data(),
+                                              kstep.data(), bits, hs);
+          }
+          const float scale = 0.3f;
+          std::vector<float> s(heads * cols, -1.0f), alone(rows);
+          detail::coded_heads_scores_low_bit(ks, s.data(), cols, qs.data(), qs_size, qm.data(), 2,
+                                             heads, kc.data(), bits, rows, hs, scale);
+          for (std::size_t h = 0; h < heads; ++h) {
+            const std::string where = std::string(kernel_set_name(ks)) + " bits " +
+                                      std::to_string(bits) + " hs " + std::to_string(hs) +
+                                      " rows " + std::to_string(rows) + " head " +
+                                      std::to_string(h) + " of " + std::to_string(heads);
+            detail::coded_scores_low_bit(ks, alone.data(), qs.data() + h * qs_size, qm[2 * h],
+                                         kc.data(), bits, rows, hs, scale);
+            ASSERT_TRUE(same_bits(alone, std::span<const float>(s.data() + h * cols, rows)))
+                << where << ": scores differ from the head alone";
+            for (std::size_t c = rows; c < cols; ++c)
+              ASSERT_EQ(s[h * cols + c], -1.0f) << where << ": wrote past its rows";
+          }
+        }
+}
+
 TEST(CodedAttentionTest, LowBitNonFiniteRangesGiveNonFiniteScores) {
   constexpr std::uint16_t kNan = 0x7E00, kInf = 0x7C00, kMinusInf = 0xFC00;
   struct Range {

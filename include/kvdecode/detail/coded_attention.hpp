@@ -582,6 +582,80 @@ KVDECODE_TARGET_AVX512BF16 inline void q4_scores_vnni(float* s, const float* qs,
   }
 }
 
+/// Query heads int8_heads_scores_vnni and q4_heads_scores_vnni score in one pass over a group of
+/// rows: their int32 sums stay in registers beside the group's 16 transposed code registers.
+inline constexpr std::size_t kVnniHeadsAtOnce = 4;
+
+/// q4_scores_vnni for the query heads that share a kv head: s [heads][s_stride] (first rows of
+/// each), head h with its query folded by q4_query_vnni at qs + h · qs_stride and its q · kmin at
+/// qm [h · qm_stride]; each head's bits are q4_scores_vnni's (the same int32 sums, summed in
+/// another order). As int8_heads_scores_vnni, 16 rows' code bytes are transposed in registers
+/// once for up to kVnniHeadsAtOnce heads, and each register's even and odd channels (low and
+/// high nibbles) are split once for all of them.
+KVDECODE_TARGET_AVX512BF16 inline void q4_heads_scores_vnni(
+    float* s, std::size_t s_stride, const float* qs, std::size_t qs_stride, const float* qm,
+    std::size_t qm_stride, std::size_t heads, const std::uint8_t* codes, std::size_t rows,
+    std::size_t hs, float scale) {
+  constexpr std::size_t kAtOnce = kVnniHeadsAtOnce;
+  const std::size_t row_bytes = hs / 2;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m512 vs = _mm512_set1_ps(scale);
+  for (std::size_t r0 = 0; r0 < rows; r0 += 16) {
+    const std::size_t count = rows - r0 < 16 ? rows - r0 : 16;
+    const std::uint8_t* const group = codes + r0 * row_bytes;  // [count][row_bytes]
+    const char* const ahead = reinterpret_cast<const char*>(group) + kPrefetchBytes;
+    for (std::size_t b = 0; b < 16 * row_bytes; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
+    for (std::size_t h0 = 0; h0 < heads; h0 += kAtOnce) {
+      const std::size_t at_once = heads - h0 < kAtOnce ? heads - h0 : kAtOnce;
+      __m512i acc[kAtOnce];  // lane i: row r0 + i's Σ i · code
+      KVDECODE_UNROLL
+      for (std::size_t h = 0; h < kAtOnce; ++h) acc[h] = _mm512_setzero_si512();
+      for (std::size_t b0 = 0; b0 < row_bytes; b0 += 64) {  // channels [2·b0, 2·b0 + 128)
+        const std::size_t bytes = row_bytes - b0 < 64 ? row_bytes - b0 : 64;
+        const std::size_t quads = (bytes + 3) / 4;
+        const __mmask64 bm = bytes == 64 ? ~__mmask64{0} : (__mmask64{1} << bytes) - 1;
+        __m512i t[16];  // row i's bytes [b0, b0 + 64), then bytes b0 + 4k .. + 3 of 16 rows
+        KVDECODE_UNROLL
+        for (std::size_t i = 0; i < 16; ++i)
+          t[i] = i < count ? _mm512_maskz_loadu_epi8(bm, group + i * row_bytes + b0)
+                           : _mm512_setzero_si512();
+        transpose_16x16(t);
+        KVDECODE_UNROLL
+        for (std::size_t k = 0; k < 16; ++k) {
+          if (k >= quads) break;
+          // Channels c .. c + 7: the even ones in the low nibbles, the odd ones in the high.
+          const std::size_t c = 2 * b0 + 8 * k;
+          const __m512i even = _mm512_and_si512(t[k], low);
+          const __m512i odd = _mm512_and_si512(_mm512_srli_epi16(t[k], 4), low);
+          KVDECODE_UNROLL
+          for (std::size_t h = 0; h < kAtOnce; ++h) {
+            if (h >= at_once) break;
+            // q4_query_vnni's bytes of even channels c, c + 2, c + 4, c + 6, the odd 32 later.
+            const auto* const qb =
+                reinterpret_cast<const std::uint8_t*>(qs + (h0 + h) * qs_stride) + 64 +
+                c / 64 * 64 + c % 64 / 2;
+            std::int32_t qe, qo;
+            std::memcpy(&qe, qb, 4);
+            std::memcpy(&qo, qb + 32, 4);
+            acc[h] = _mm512_dpbusd_epi32(acc[h], even, _mm512_set1_epi32(qe));
+            acc[h] = _mm512_dpbusd_epi32(acc[h], odd, _mm512_set1_epi32(qo));
+          }
+        }
+      }
+      KVDECODE_UNROLL
+      for (std::size_t h = 0; h < kAtOnce; ++h) {
+        if (h >= at_once) break;
+        const std::size_t head = h0 + h;
+        const __m512 vd = _mm512_set1_ps(qs[head * qs_stride]);
+        const __m512 vqm = _mm512_set1_ps(qm[head * qm_stride]);
+        _mm512_mask_storeu_ps(
+            s + head * s_stride + r0, coded_mask16(count),
+            _mm512_mul_ps(_mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[h]), vd, vqm), vs));
+      }
+    }
+  }
+}
+
 // int8 scores with AVX512_VNNI (the avx512bf16 set): the query is rounded once to 15 bits,
 // i = round(q · (16383 / max|q|)), d = max|q| / 16383, and split as i = 128·hi + lo with hi in
 // [-128, 127] and lo in [0, 127], both int8, so Σ i · code = 128 Σ hi · code + Σ lo · code
@@ -671,10 +745,6 @@ KVDECODE_TARGET_AVX512BF16 inline void int8_scores_vnni(
                       vs));
   }
 }
-
-/// Query heads int8_heads_scores_vnni scores in one pass over a group of rows: their int32 sums
-/// stay in registers beside the group's 16 transposed code registers.
-inline constexpr std::size_t kVnniHeadsAtOnce = 4;
 
 /// int8_scores_vnni for the query heads that share a kv head: s [heads][s_stride] (first rows
 /// of each), head h with its query at qv + h · qv_stride and its Σ q at qsum [h · qsum_stride];
@@ -1245,6 +1315,24 @@ inline void coded_scores_low_bit(KernelSet ks, float* s, const float* qs, float 
 #endif
   static_cast<void>(ks);
   coded_scores_low_bit_portable(s, qs, qm, codes, bits, rows, hs, scale);
+}
+
+/// coded_scores_low_bit for the query heads that share the kv head of codes: s [heads][s_stride]
+/// (first rows of each), head h with qs + h · qs_stride and qm [h · qm_stride] from
+/// low_bit_query; each head's bits are coded_scores_low_bit's.
+inline void coded_heads_scores_low_bit(KernelSet ks, float* s, std::size_t s_stride,
+                                       const float* qs, std::size_t qs_stride, const float* qm,
+                                       std::size_t qm_stride, std::size_t heads,
+                                       const std::uint8_t* codes, unsigned bits, std::size_t rows,
+                                       std::size_t hs, float scale) {
+#if KVDECODE_X86_KERNELS
+  if (heads > 1 && ks == KernelSet::kAvx512Bf16 && bits == 4)
+    return q4_heads_scores_vnni(s, s_stride, qs, qs_stride, qm, qm_stride, heads, codes, rows, hs,
+                                scale);
+#endif
+  for (std::size_t h = 0; h < heads; ++h)
+    coded_scores_low_bit(ks, s + h * s_stride, qs + h * qs_stride, qm[h * qm_stride], codes, bits,
+                         rows, hs, scale);
 }
 
 /// o [hs] += Σ_r p [r] · (vmin [r] + vstep [r] · codes [r]) (ranges f16), with set ks; w

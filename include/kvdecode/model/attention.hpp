@@ -54,15 +54,16 @@ struct AttentionScratch {
                         ? n_threads_ * static_cast<std::size_t>(cfg.head_size()) * kTile
                         : 0),
         gathered(n_threads_ * 2 * kTile * static_cast<std::size_t>(cfg.head_size())),
-        coded(n_threads_ * coded_size(static_cast<std::size_t>(cfg.head_size()))),
+        coded(n_threads_ * coded_size(static_cast<std::size_t>(cfg.head_size()), kv_mul_)),
         coded_queries(n_threads_ * kv_mul_ * std::min(max_queries, kMaxCodedQueries) *
                       detail::int8_query_floats(static_cast<std::size_t>(cfg.head_size()))) {}
 
-  /// Elements of one thread's coded-path scratch: the query folded with a group's ranges
-  /// [round_up(head_size, 32)], the rotated query [head_size], a rotated block's value sum
-  /// [head_size] and a tile's value weights [kTile] (or their 15-bit split, which needs less).
-  static constexpr std::size_t coded_size(std::size_t head_size) {
-    return (head_size + 31) / 32 * 32 + 2 * head_size + kTile;
+  /// Elements of one thread's coded-path scratch: the queries of a kv head's kv_mul heads folded
+  /// with a group's ranges [kv_mul][round_up(head_size, 32)] and their q · min [round_up(kv_mul,
+  /// 16)], the rotated query [head_size], a rotated block's value sum [head_size] and a tile's
+  /// value weights [kTile] (or their 15-bit split, which needs less).
+  static constexpr std::size_t coded_size(std::size_t head_size, std::size_t kv_mul) {
+    return kv_mul * ((head_size + 31) / 32 * 32) + (kv_mul + 15) / 16 * 16 + 2 * head_size + kTile;
   }
 
   /// Thread t's score tile [score_rows()][kTile] and store scratch [block_scratch_size()].
@@ -82,7 +83,7 @@ struct AttentionScratch {
   }
   /// Thread t's gathered key tile [kTile][head_size], its value tile following it.
   T* thread_gathered(std::size_t t) { return gathered.data() + t * (gathered.size() / n_threads_); }
-  /// Thread t's coded-path scratch [coded_size(head_size)].
+  /// Thread t's coded-path scratch [coded_size(head_size, kv_mul)].
   T* thread_coded(std::size_t t) { return coded.data() + t * (coded.size() / n_threads_); }
   /// Thread t's queries prepared for 8-bit key codes (detail::int8_query), [kv_mul][up to
   /// kMaxCodedQueries][int8_query_floats(head_size)].
@@ -109,7 +110,7 @@ struct AttentionScratch {
   AlignedBuffer<T> block;        // [n_threads][store.block_scratch_size()] for stores that decode
   AlignedBuffer<T> packed_keys;  // [n_threads][head_size][kTile] or empty (Eigen's products)
   AlignedBuffer<T> gathered;     // [n_threads][2][kTile][head_size] a tile of several blocks' K, V
-  AlignedBuffer<T> coded;        // [n_threads][coded_size(head_size)] (attention on codes)
+  AlignedBuffer<T> coded;        // [n_threads][coded_size(head_size, kv_mul)] (attention on codes)
   AlignedBuffer<T> coded_queries;  // [n_threads][kv_mul][min(max_queries, kMaxCodedQueries)][..]
 };
 
@@ -192,10 +193,12 @@ void attend_kv_head_coded(const ModelConfig& cfg, const S& store, std::size_t la
   float* const m_all = scratch.thread_row_max(t);  // [kv_mul][n]
   float* const l_all = scratch.thread_row_sum(t);  // [kv_mul][n]
   float* const qsum_all = scratch.thread_query_sum(t);  // [kv_mul][n] Σ of each query
-  float* const qs = scratch.thread_coded(t);     // [round_up(hs, 32)] query ⊙ a group's steps
-  float* const qrot = qs + (hs + 31) / 32 * 32;  // [hs] the rotated query
-  float* const acc = qrot + hs;                  // [hs] a rotated block's value sum
-  float* const w = acc + hs;                     // [kTile] p · the rows' value steps
+  const std::size_t qs_size = (hs + 31) / 32 * 32;
+  float* const qs = scratch.thread_coded(t);         // [kv_mul][qs_size] query ⊙ a group's steps
+  float* const qm = qs + kv_mul * qs_size;           // [kv_mul] query · a group's mins
+  float* const qrot = qm + (kv_mul + 15) / 16 * 16;  // [hs] the rotated query
+  float* const acc = qrot + hs;                      // [hs] a rotated block's value sum
+  float* const w = acc + hs;                         // [kTile] p · the rows' value steps
   float* const qv_all = scratch.thread_coded_queries(t);  // [kv_mul][n][int8_query_floats]
   const std::size_t qv_size = int8_query_floats(hs);
   bool qv_ready = false;  // prepared at the first 8-bit block
@@ -278,16 +281,20 @@ void attend_kv_head_coded(const ModelConfig& cfg, const S& store, std::size_t la
         const std::size_t row_bytes = hs * b.bits / 8;
         const std::uint8_t* keys = b.keys + r0 * row_bytes;      // [rows][row_bytes]
         const std::uint8_t* values = b.values + r0 * row_bytes;  // [rows][row_bytes]
-        attend_rows(
+        attend_rows_by_query(
             b.first + r0, rows,
-            [&](float* s, const float* qh, float, const float*) {
-              if (b.signs != nullptr) {
-                std::copy_n(qh, hs, qrot);
-                rotate_rows(qrot, 1, hs, b.signs, /*inverse=*/false);
-                qh = qrot;
+            [&](float* s, std::size_t r) {
+              for (std::size_t j = 0; j < kv_mul; ++j) {
+                const float* qh = q + r * dim + (g * kv_mul + j) * hs;
+                if (b.signs != nullptr) {
+                  std::copy_n(qh, hs, qrot);
+                  rotate_rows(qrot, 1, hs, b.signs, /*inverse=*/false);
+                  qh = qrot;
+                }
+                qm[j] = low_bit_query(ks, qs + j * qs_size, qh, b.key_min, b.key_step, b.bits, hs);
               }
-              const float qm = low_bit_query(ks, qs, qh, b.key_min, b.key_step, b.bits, hs);
-              coded_scores_low_bit(ks, s, qs, qm, keys, b.bits, rows, hs, scale);
+              coded_heads_scores_low_bit(ks, s, kTile, qs, qs_size, qm, 1, kv_mul, keys, b.bits,
+                                         rows, hs, scale);
             },
             [&](float* o, const float* p) {
               if (b.signs == nullptr)
