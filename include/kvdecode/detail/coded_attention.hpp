@@ -582,6 +582,23 @@ KVDECODE_TARGET_AVX512BF16 inline void q4_scores_vnni(float* s, const float* qs,
   }
 }
 
+/// t [16] = the bytes [b0, b0 + 64) of rows [0, count) of codes [count][row_bytes] (fewer past
+/// row_bytes, rows past count 0), transposed: lane i of t[k] is row i's dword k (bytes b0 + 4k
+/// .. + 3). Returns how many of the t[k] hold any code.
+KVDECODE_TARGET_AVX512 inline std::size_t load_transposed_rows(__m512i* t,
+                                                               const std::uint8_t* codes,
+                                                               std::size_t row_bytes,
+                                                               std::size_t count, std::size_t b0) {
+  const std::size_t bytes = row_bytes - b0 < 64 ? row_bytes - b0 : 64;
+  const __mmask64 bm = bytes == 64 ? ~__mmask64{0} : (__mmask64{1} << bytes) - 1;
+  KVDECODE_UNROLL
+  for (std::size_t i = 0; i < 16; ++i)
+    t[i] = i < count ? _mm512_maskz_loadu_epi8(bm, codes + i * row_bytes + b0)
+                     : _mm512_setzero_si512();
+  transpose_16x16(t);
+  return (bytes + 3) / 4;
+}
+
 /// Query heads int8_heads_scores_vnni and q4_heads_scores_vnni score in one pass over a group of
 /// rows: their int32 sums stay in registers beside the group's 16 transposed code registers.
 inline constexpr std::size_t kVnniHeadsAtOnce = 4;
@@ -611,15 +628,8 @@ KVDECODE_TARGET_AVX512BF16 inline void q4_heads_scores_vnni(
       KVDECODE_UNROLL
       for (std::size_t h = 0; h < kAtOnce; ++h) acc[h] = _mm512_setzero_si512();
       for (std::size_t b0 = 0; b0 < row_bytes; b0 += 64) {  // channels [2·b0, 2·b0 + 128)
-        const std::size_t bytes = row_bytes - b0 < 64 ? row_bytes - b0 : 64;
-        const std::size_t quads = (bytes + 3) / 4;
-        const __mmask64 bm = bytes == 64 ? ~__mmask64{0} : (__mmask64{1} << bytes) - 1;
-        __m512i t[16];  // row i's bytes [b0, b0 + 64), then bytes b0 + 4k .. + 3 of 16 rows
-        KVDECODE_UNROLL
-        for (std::size_t i = 0; i < 16; ++i)
-          t[i] = i < count ? _mm512_maskz_loadu_epi8(bm, group + i * row_bytes + b0)
-                           : _mm512_setzero_si512();
-        transpose_16x16(t);
+        __m512i t[16];                                      // bytes b0 + 4k .. + 3 of 16 rows
+        const std::size_t quads = load_transposed_rows(t, group, row_bytes, count, b0);
         KVDECODE_UNROLL
         for (std::size_t k = 0; k < 16; ++k) {
           if (k >= quads) break;
@@ -772,14 +782,8 @@ KVDECODE_TARGET_AVX512BF16 inline void int8_heads_scores_vnni(
       KVDECODE_UNROLL
       for (std::size_t h = 0; h < kAtOnce; ++h) hi[h] = lo[h] = _mm512_setzero_si512();
       for (std::size_t c0 = 0; c0 < hs; c0 += 64) {
-        const std::size_t bytes = hs - c0 < 64 ? hs - c0 : 64, quads = (bytes + 3) / 4;
-        const __mmask64 bm = bytes == 64 ? ~__mmask64{0} : (__mmask64{1} << bytes) - 1;
-        __m512i t[16];  // row i's channels [c0, c0 + 64), then channels c0 + 4k .. + 3 of 16 rows
-        KVDECODE_UNROLL
-        for (std::size_t i = 0; i < 16; ++i)
-          t[i] =
-              i < count ? _mm512_maskz_loadu_epi8(bm, group + i * hs + c0) : _mm512_setzero_si512();
-        transpose_16x16(t);
+        __m512i t[16];  // channels c0 + 4k .. + 3 of 16 rows
+        const std::size_t quads = load_transposed_rows(t, group, hs, count, c0);
         KVDECODE_UNROLL
         for (std::size_t h = 0; h < kAtOnce; ++h) {
           if (h >= at_once) break;
