@@ -632,14 +632,14 @@ KVDECODE_TARGET_AVX512BF16 inline void q4_heads_scores_vnni(
         const std::size_t quads = load_transposed_rows(t, group, row_bytes, count, b0);
         KVDECODE_UNROLL
         for (std::size_t k = 0; k < 16; ++k) {
-          if (k >= quads) break;
+          if (k >= quads) continue;  // not break: a fixed trip count unrolls
           // Channels c .. c + 7: the even ones in the low nibbles, the odd ones in the high.
           const std::size_t c = 2 * b0 + 8 * k;
           const __m512i even = _mm512_and_si512(t[k], low);
           const __m512i odd = _mm512_and_si512(_mm512_srli_epi16(t[k], 4), low);
           KVDECODE_UNROLL
           for (std::size_t h = 0; h < kAtOnce; ++h) {
-            if (h >= at_once) break;
+            if (h >= at_once) continue;
             // q4_query_vnni's bytes of even channels c, c + 2, c + 4, c + 6, the odd 32 later.
             const auto* const qb =
                 reinterpret_cast<const std::uint8_t*>(qs + (h0 + h) * qs_stride) + 64 +
@@ -654,7 +654,7 @@ KVDECODE_TARGET_AVX512BF16 inline void q4_heads_scores_vnni(
       }
       KVDECODE_UNROLL
       for (std::size_t h = 0; h < kAtOnce; ++h) {
-        if (h >= at_once) break;
+        if (h >= at_once) continue;
         const std::size_t head = h0 + h;
         const __m512 vd = _mm512_set1_ps(qs[head * qs_stride]);
         const __m512 vqm = _mm512_set1_ps(qm[head * qm_stride]);
@@ -786,13 +786,13 @@ KVDECODE_TARGET_AVX512BF16 inline void int8_heads_scores_vnni(
         const std::size_t quads = load_transposed_rows(t, group, hs, count, c0);
         KVDECODE_UNROLL
         for (std::size_t h = 0; h < kAtOnce; ++h) {
-          if (h >= at_once) break;
+          if (h >= at_once) continue;
           // The query's hi bytes of channels [c0, c0 + 64), then its lo bytes (int8_query_vnni).
           const auto* const qb =
               reinterpret_cast<const std::uint8_t*>(qv + (h0 + h) * qv_stride) + 64 + 2 * c0;
           KVDECODE_UNROLL
           for (std::size_t k = 0; k < 16; ++k) {
-            if (k >= quads) break;
+            if (k >= quads) continue;  // not break: a fixed trip count unrolls
             std::int32_t qhi, qlo;
             std::memcpy(&qhi, qb + 4 * k, 4);
             std::memcpy(&qlo, qb + 64 + 4 * k, 4);
@@ -803,7 +803,7 @@ KVDECODE_TARGET_AVX512BF16 inline void int8_heads_scores_vnni(
       }
       KVDECODE_UNROLL
       for (std::size_t h = 0; h < kAtOnce; ++h) {
-        if (h >= at_once) break;
+        if (h >= at_once) continue;
         const std::size_t head = h0 + h;
         const __m512 vd = _mm512_set1_ps(qv[head * qv_stride]);
         const __m512 vq = _mm512_set1_ps(qsum[head * qsum_stride]);
