@@ -151,9 +151,9 @@ TEST(CodedAttentionTest, Int8KernelsMatchTheFormula) {
     }
 }
 
-// The VNNI kernels' int32 sums at their largest: every code 255 and every rounded query
-// channel or weight at ±16383, head size kMaxVnniInt8HeadSize and kMaxVnniRows rows. A sum that
-// overflowed would be off by 2^32, not by rounding.
+// The VNNI kernels' int32 sums at their largest (one head and several): every code 255 and every
+// rounded query channel or weight at ±16383, head size kMaxVnniInt8HeadSize and kMaxVnniRows rows.
+// A sum that overflowed would be off by 2^32, not by rounding.
 TEST(CodedAttentionTest, IntegerSumsHoldAtTheirLimits) {
   for (const KernelSet ks : supported_sets()) {
     const std::size_t hs = detail::kMaxVnniInt8HeadSize, rows = 16;
@@ -178,6 +178,15 @@ TEST(CodedAttentionTest, IntegerSumsHoldAtTheirLimits) {
     detail::coded_pv_int8(ks, o.data(), p.data(), w.data(), vc.data(), vmin.data(), vstep.data(), n,
                           ch);
     for (const float x : o)
+      ASSERT_NEAR(x, 255.0 * static_cast<double>(n), 1e-6 * 255 * static_cast<double>(n))
+          << kernel_set_name(ks);
+    // The heads' 16-bit weights (coded_heads_pv_int8), four heads over two passes.
+    const std::size_t heads = 4;
+    const std::vector<float> ph(heads * n, 1.0f);
+    std::vector<float> wh(detail::coded_pv_scratch_floats(n)), oh(heads * ch, 0.0f);
+    detail::coded_heads_pv_int8(ks, oh.data(), ch, ph.data(), n, heads, wh.data(), vc.data(),
+                                vmin.data(), vstep.data(), n, ch);
+    for (const float x : oh)
       ASSERT_NEAR(x, 255.0 * static_cast<double>(n), 1e-6 * 255 * static_cast<double>(n))
           << kernel_set_name(ks);
   }
@@ -474,6 +483,49 @@ TEST(CodedAttentionTest, LowBitKernelsMatchTheFormula) {
 // A group whose key range is not finite (a NaN or infinite min, a NaN or infinite step, as a
 // range beyond f16 or a corrupt file gives) scores every row non-finite in every set, never a
 // finite wrong value.
+// 8-bit values summed for the query heads that share a kv head (coded_heads_pv_int8): each
+// head bit for bit coded_pv_int8 alone (checked against the formula above), for head counts
+// that fill and split the kernel's passes, odd row counts, weights of 0, rows past the VNNI
+// kernels' limit, and nothing written past a head's channels.
+TEST(CodedAttentionTest, Int8HeadPvIsEachHeadAlone) {
+  std::vector<Shape> shapes(std::begin(kShapes), std::end(kShapes));
+  shapes.push_back({256, 33});
+  shapes.push_back({48, 256});
+  for (const KernelSet ks : supported_sets())
+    for (const Shape sh : shapes)
+      for (const std::size_t heads : {1, 2, 3, 4, 5, 8}) {
+        detail::SplitMix64 rng(sh.hs * 61 + sh.rows * 3 + heads);
+        const std::size_t hs = sh.hs, rows = sh.rows, o_stride = hs + 5, p_stride = rows + 7;
+        std::vector<float> p(heads * p_stride), o(heads * o_stride),
+            w(detail::coded_pv_scratch_floats(rows));
+        std::vector<std::uint16_t> vmin(rows), vstep(rows);  // f16
+        std::vector<std::uint8_t> vc(rows * hs);             // [rows][hs]
+        for (std::size_t r = 0; r < rows; ++r) {
+          vmin[r] = random_f16(rng, true);
+          vstep[r] = random_f16(rng, false);
+        }
+        for (auto& c : vc) c = static_cast<std::uint8_t>(rng.next());
+        for (float& x : p) x = rng.next() % 5 == 0 ? 0.0f : std::abs(uniform(rng));
+        for (float& x : o) x = uniform(rng);
+        const std::vector<float> o0 = o;
+        detail::coded_heads_pv_int8(ks, o.data(), o_stride, p.data(), p_stride, heads, w.data(),
+                                    vc.data(), vmin.data(), vstep.data(), rows, hs);
+        for (std::size_t h = 0; h < heads; ++h) {
+          const std::string where = std::string(kernel_set_name(ks)) + " hs " + std::to_string(hs) +
+                                    " rows " + std::to_string(rows) + " head " + std::to_string(h) +
+                                    " of " + std::to_string(heads);
+          std::vector<float> alone(o0.begin() + static_cast<std::ptrdiff_t>(h * o_stride),
+                                   o0.begin() + static_cast<std::ptrdiff_t>(h * o_stride + hs));
+          detail::coded_pv_int8(ks, alone.data(), p.data() + h * p_stride, w.data(), vc.data(),
+                                vmin.data(), vstep.data(), rows, hs);
+          ASSERT_TRUE(same_bits(alone, std::span<const float>(o.data() + h * o_stride, hs)))
+              << where << ": p·v differs from the head alone";
+          for (std::size_t c = hs; c < o_stride; ++c)
+            ASSERT_EQ(o[h * o_stride + c], o0[h * o_stride + c]) << where << ": wrote past hs";
+        }
+      }
+}
+
 // Low-bit keys scored for the query heads that share a kv head (coded_heads_scores_low_bit):
 // each head bit for bit coded_scores_low_bit alone (checked against the formula above), at
 // head counts that fill, split and leave part of the kernel's passes, with nothing written past

@@ -125,6 +125,17 @@ constexpr std::size_t int8_query_floats(std::size_t hs) { return 16 + (hs + 63) 
 /// Most rows the VNNI p·v takes in one call.
 inline constexpr std::size_t kMaxVnniRows = 256;
 
+/// Query heads int8_heads_pv_vnni sums in one pass over the rows: 4 accumulators a head beside
+/// 4 registers of interleaved codes.
+inline constexpr std::size_t kVnniPvHeadsAtOnce = 3;
+
+/// Floats of scratch the p·v kernels take for a tile of `rows` rows (coded_pv_int8's weights or
+/// coded_heads_pv_int8's 16-bit weights of kVnniPvHeadsAtOnce heads).
+constexpr std::size_t coded_pv_scratch_floats(std::size_t rows) {
+  const std::size_t padded = (rows + 15) / 16 * 16;
+  return std::max(padded, kVnniPvHeadsAtOnce * padded / 2);
+}
+
 #if KVDECODE_X86_KERNELS
 KVDECODE_INTRINSICS_BEGIN
 
@@ -824,11 +835,14 @@ KVDECODE_TARGET_AVX512BF16 inline void int8_heads_scores_vnni(
 // multiplies with the 4 rows' hi (and lo) bytes. Exact up to kMaxVnniRows rows: rows · 255 ·
 // (127 · 128 + 127) < 2^31. Each weight moves by at most d/2 = max w / 32766.
 
-/// Rounds w = p [rows] · vstep [rows] (f16) into packs [round_up(rows, 16) / 2] (the hi bytes of
-/// the rows, then the lo bytes, 0 past rows), sets d, and returns Σ p · vmin.
-KVDECODE_TARGET_AVX512BF16 inline float vnni_weights(const float* p, const std::uint16_t* vmin,
-                                                     const std::uint16_t* vstep, std::size_t rows,
-                                                     float* packs, float& d) {
+/// The weights w = p [rows] · vstep [rows] (f16) of a tile rounded to 15 bits of their largest:
+/// calls put(r, i) with rows r .. r + 15's integers i = round(w · 16383 / max w) (0 past rows),
+/// sets d = max w / 16383, and returns Σ p · vmin.
+template <class Put>
+KVDECODE_TARGET_AVX512BF16 inline float vnni_rounded_weights(const float* p,
+                                                             const std::uint16_t* vmin,
+                                                             const std::uint16_t* vstep,
+                                                             std::size_t rows, float& d, Put put) {
   __m512 bias = _mm512_setzero_ps(), wmax = _mm512_setzero_ps();
   __mmask16 nan = 0;
   for (std::size_t r = 0; r < rows; r += 16) {
@@ -840,20 +854,40 @@ KVDECODE_TARGET_AVX512BF16 inline float vnni_weights(const float* p, const std::
   const RoundingScale rs = rounding_scale(wmax, nan, 16383.0f);
   const __m512 inv = _mm512_set1_ps(rs.inv);
   d = rs.d;
-  const std::size_t padded = (rows + 15) / 16 * 16;
-  auto* const hi = reinterpret_cast<std::int8_t*>(packs);  // [padded], then lo [padded]
-  const __m512i low7 = _mm512_set1_epi32(127);
-  for (std::size_t r = 0; r < padded; r += 16) {
+  for (std::size_t r = 0; r < (rows + 15) / 16 * 16; r += 16) {
     const __mmask16 m = coded_mask16(rows > r ? rows - r : 0);
     const __m512 w = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, p + r), load_f16_avx512(vstep + r, m));
     constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-    const __m512i i = _mm512_cvt_roundps_epi32(_mm512_mul_ps(w, inv), kNearest);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + r),
-                     _mm512_cvtepi32_epi8(_mm512_srai_epi32(i, 7)));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + padded + r),
-                     _mm512_cvtepi32_epi8(_mm512_and_si512(i, low7)));
+    put(r, _mm512_cvt_roundps_epi32(_mm512_mul_ps(w, inv), kNearest));
   }
   return _mm512_reduce_add_ps(bias);
+}
+
+/// Rounds w = p [rows] · vstep [rows] (f16) into packs [round_up(rows, 16) / 2] (the hi bytes of
+/// the rows, then the lo bytes, 0 past rows), sets d, and returns Σ p · vmin.
+KVDECODE_TARGET_AVX512BF16 inline float vnni_weights(const float* p, const std::uint16_t* vmin,
+                                                     const std::uint16_t* vstep, std::size_t rows,
+                                                     float* packs, float& d) {
+  const std::size_t padded = (rows + 15) / 16 * 16;
+  auto* const hi = reinterpret_cast<std::int8_t*>(packs);  // [padded], then lo [padded]
+  return vnni_rounded_weights(
+      p, vmin, vstep, rows, d, [&](std::size_t r, __m512i i) KVDECODE_TARGET_AVX512BF16 {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + r),
+                         _mm512_cvtepi32_epi8(_mm512_srai_epi32(i, 7)));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + padded + r),
+                         _mm512_cvtepi32_epi8(_mm512_and_si512(i, _mm512_set1_epi32(127))));
+      });
+}
+
+/// The same weights as 16-bit integers, words [round_up(rows, 16)] (0 past rows).
+KVDECODE_TARGET_AVX512BF16 inline float vnni_weight_words(const float* p, const std::uint16_t* vmin,
+                                                          const std::uint16_t* vstep,
+                                                          std::size_t rows, std::int16_t* words,
+                                                          float& d) {
+  return vnni_rounded_weights(
+      p, vmin, vstep, rows, d, [&](std::size_t r, __m512i i) KVDECODE_TARGET_AVX512BF16 {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(words + r), _mm512_cvtepi32_epi16(i));
+      });
 }
 
 /// out [4] = d · Σ_r w[r] · codes(r), 16 byte positions each (out[m] the positions [16m,
@@ -953,6 +987,80 @@ KVDECODE_TARGET_AVX512BF16 inline void int8_pv_vnni(float* o, const float* p,
     vnni_pv_bytes(out, packs, rows, d, Int8Codes64{codes, hs, d0, m});
     for (std::size_t k = 0; 16 * k < n; ++k)
       add_to_avx512(o + d0 + 16 * k, n - 16 * k, out[k], bias);
+  }
+}
+
+/// int8_pv_vnni for the query heads that share a kv head: o [heads][o_stride] (first hs of
+/// each) += Σ_r p_h [r] · (vmin [r] + vstep [r] · codes [r][hs]), p_h = p + h · p_stride, for
+/// rows ≤ kMaxVnniRows; words [heads][round_up(rows, 16)] is scratch. Each head's bits are
+/// int8_pv_vnni's: its weights rounded as there, the same int32 sums Σ_r code · (128·hi + lo)
+/// taken as one 16-bit weight (vpdpwssd, two rows a lane) instead of two bytes (vpdpbusd, four
+/// rows a lane, hi and lo apart). Two rows' codes are widened and interleaved once for every
+/// head, and the half as many accumulators let three heads' stay in registers.
+KVDECODE_TARGET_AVX512BF16 inline void int8_heads_pv_vnni(
+    float* o, std::size_t o_stride, const float* p, std::size_t p_stride, std::size_t heads,
+    const std::uint8_t* codes, const std::uint16_t* vmin, const std::uint16_t* vstep,
+    std::size_t rows, std::size_t hs, std::int16_t* words) {
+  constexpr std::size_t kAtOnce = kVnniPvHeadsAtOnce;
+  const std::size_t padded = (rows + 15) / 16 * 16;
+  for (std::size_t h0 = 0; h0 < heads; h0 += kAtOnce) {
+    const std::size_t at_once = heads - h0 < kAtOnce ? heads - h0 : kAtOnce;
+    float d[kAtOnce] = {}, bias[kAtOnce] = {};
+    for (std::size_t h = 0; h < at_once; ++h)
+      bias[h] =
+          vnni_weight_words(p + (h0 + h) * p_stride, vmin, vstep, rows, words + h * padded, d[h]);
+    for (std::size_t d0 = 0; d0 < hs; d0 += 64) {
+      const std::size_t n = hs - d0 < 64 ? hs - d0 : 64;
+      const auto m0 = static_cast<__mmask32>(n >= 32 ? ~0u : (1u << n) - 1u);
+      const auto m1 = static_cast<__mmask32>(n >= 64 ? ~0u : n > 32 ? (1u << (n - 32)) - 1u : 0u);
+      __m512i acc[kAtOnce]
+                 [4];  // lane 4L + j: channel 8L + j (k = 0), 8L + 4 + j (1), 32 + .. (2, 3)
+      KVDECODE_UNROLL
+      for (std::size_t h = 0; h < kAtOnce; ++h) KVDECODE_UNROLL
+      for (int k = 0; k < 4; ++k) acc[h][k] = _mm512_setzero_si512();
+      for (std::size_t r = 0; r < rows; r += 2) {
+        const std::uint8_t* const a = codes + r * hs + d0;
+        _mm_prefetch(reinterpret_cast<const char*>(a) + kPrefetchBytes, _MM_HINT_T0);
+        const bool second = r + 1 < rows;
+        // Channels [0, 32) and [32, 64) of rows r and r + 1 as 16-bit integers.
+        const __m512i a0 = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(m0, a));
+        const __m512i a1 = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(m1, a + 32));
+        const __m512i b0 = second ? _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(m0, a + hs))
+                                  : _mm512_setzero_si512();
+        const __m512i b1 = second ? _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(m1, a + hs + 32))
+                                  : _mm512_setzero_si512();
+        const __m512i x[4] = {_mm512_unpacklo_epi16(a0, b0), _mm512_unpackhi_epi16(a0, b0),
+                              _mm512_unpacklo_epi16(a1, b1), _mm512_unpackhi_epi16(a1, b1)};
+        KVDECODE_UNROLL
+        for (std::size_t h = 0; h < kAtOnce; ++h) {
+          if (h >= at_once) continue;  // not break: a fixed trip count unrolls
+          std::int32_t pair;           // rows r and r + 1's weights (0 past rows)
+          std::memcpy(&pair, words + h * padded + r, sizeof pair);
+          const __m512i w = _mm512_set1_epi32(pair);
+          KVDECODE_UNROLL
+          for (int k = 0; k < 4; ++k) acc[h][k] = _mm512_dpwssd_epi32(acc[h][k], x[k], w);
+        }
+      }
+      KVDECODE_UNROLL
+      for (std::size_t h = 0; h < kAtOnce; ++h) {
+        if (h >= at_once) continue;
+        const __m512 vd = _mm512_set1_ps(d[h]), vb = _mm512_set1_ps(bias[h]);
+        __m512 v[4];
+        KVDECODE_UNROLL
+        for (int k = 0; k < 4; ++k) v[k] = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[h][k]), vd);
+        // Channels in order: 128-bit blocks L of v[0] and v[1] alternate (8L .. 8L + 7).
+        __m512 out[4];
+        KVDECODE_UNROLL
+        for (int k = 0; k < 2; ++k) {
+          const __m512 lo = _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0));
+          const __m512 up = _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2));
+          out[2 * k] = _mm512_shuffle_f32x4(lo, lo, _MM_SHUFFLE(3, 1, 2, 0));
+          out[2 * k + 1] = _mm512_shuffle_f32x4(up, up, _MM_SHUFFLE(3, 1, 2, 0));
+        }
+        float* const oh = o + (h0 + h) * o_stride + d0;
+        for (std::size_t k = 0; 16 * k < n; ++k) add_to_avx512(oh + 16 * k, n - 16 * k, out[k], vb);
+      }
+    }
   }
 }
 
@@ -1291,6 +1399,22 @@ inline void coded_pv_int8(KernelSet ks, float* o, const float* p, float* w,
 #endif
   static_cast<void>(ks), static_cast<void>(w);
   coded_pv_low_bit_portable(o, p, codes, 8, vmin, vstep, rows, hs);
+}
+
+/// coded_pv_int8 for the query heads that share the kv head of codes: o [heads][o_stride] (first
+/// hs of each) += Σ_r p_h [r] · (vmin [r] + vstep [r] · codes [r][hs]), p_h = p + h · p_stride;
+/// w [coded_pv_scratch_floats(rows)] is scratch. Each head's bits are coded_pv_int8's.
+inline void coded_heads_pv_int8(KernelSet ks, float* o, std::size_t o_stride, const float* p,
+                                std::size_t p_stride, std::size_t heads, float* w,
+                                const std::uint8_t* codes, const std::uint16_t* vmin,
+                                const std::uint16_t* vstep, std::size_t rows, std::size_t hs) {
+#if KVDECODE_X86_KERNELS
+  if (heads > 1 && ks == KernelSet::kAvx512Bf16 && rows <= kMaxVnniRows)
+    return int8_heads_pv_vnni(o, o_stride, p, p_stride, heads, codes, vmin, vstep, rows, hs,
+                              reinterpret_cast<std::int16_t*>(w));
+#endif
+  for (std::size_t h = 0; h < heads; ++h)
+    coded_pv_int8(ks, o + h * o_stride, p + h * p_stride, w, codes, vmin, vstep, rows, hs);
 }
 
 /// The query folded with a group's key ranges (f16) for coded_scores_low_bit with the same set

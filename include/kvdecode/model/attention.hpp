@@ -61,9 +61,10 @@ struct AttentionScratch {
   /// Elements of one thread's coded-path scratch: the queries of a kv head's kv_mul heads folded
   /// with a group's ranges [kv_mul][round_up(head_size, 32)] and their q · min [round_up(kv_mul,
   /// 16)], the rotated query [head_size], a rotated block's value sum [head_size] and a tile's
-  /// value weights [kTile] (or their 15-bit split, which needs less).
+  /// value weights (detail::coded_pv_scratch_floats).
   static constexpr std::size_t coded_size(std::size_t head_size, std::size_t kv_mul) {
-    return kv_mul * ((head_size + 31) / 32 * 32) + (kv_mul + 15) / 16 * 16 + 2 * head_size + kTile;
+    return kv_mul * ((head_size + 31) / 32 * 32) + (kv_mul + 15) / 16 * 16 + 2 * head_size +
+           detail::coded_pv_scratch_floats(kTile);
   }
 
   /// Thread t's score tile [score_rows()][kTile] and store scratch [block_scratch_size()].
@@ -198,7 +199,7 @@ void attend_kv_head_coded(const ModelConfig& cfg, const S& store, std::size_t la
   float* const qm = qs + kv_mul * qs_size;           // [kv_mul] query · a group's mins
   float* const qrot = qm + (kv_mul + 15) / 16 * 16;  // [hs] the rotated query
   float* const acc = qrot + hs;                      // [hs] a rotated block's value sum
-  float* const w = acc + hs;                         // [kTile] p · the rows' value steps
+  float* const w = acc + hs;  // [coded_pv_scratch_floats(kTile)] p · the rows' value steps
   float* const qv_all = scratch.thread_coded_queries(t);  // [kv_mul][n][int8_query_floats]
   const std::size_t qv_size = int8_query_floats(hs);
   bool qv_ready = false;  // prepared at the first 8-bit block
@@ -214,11 +215,10 @@ void attend_kv_head_coded(const ModelConfig& cfg, const S& store, std::size_t la
   }
 
   // Query r's rows [first, first + rows) of the block for its head j, their scores in srow: the
-  // mask, the online softmax, then p·v.
-  const auto finish_rows = [&](std::size_t j, std::size_t r, float* srow, std::size_t first,
-                               std::size_t rows, const auto& pv_of) {
+  // mask and the online softmax; false when none is visible.
+  const auto softmax_rows = [&](std::size_t j, std::size_t r, float* srow, std::size_t first,
+                                std::size_t rows) {
     const std::size_t qi = q_first + r;
-    float* const o = out + r * dim + (g * kv_mul + j) * hs;
     bool full = first + rows - 1 <= qi;
     if constexpr (MaskingKvStore<S>) full = false;
     if (!full)
@@ -227,8 +227,13 @@ void attend_kv_head_coded(const ModelConfig& cfg, const S& store, std::size_t la
         if constexpr (MaskingKvStore<S>) visible = visible && !store.masks(qi, first + c);
         if (!visible) srow[c] = neg_inf;
       }
-    if (online_softmax_row(srow, rows, m_all[j * n + r], l_all[j * n + r], o, hs, ks))
-      pv_of(o, srow);
+    return online_softmax_row(srow, rows, m_all[j * n + r], l_all[j * n + r],
+                              out + r * dim + (g * kv_mul + j) * hs, hs, ks);
+  };
+  // The same, then p·v.
+  const auto finish_rows = [&](std::size_t j, std::size_t r, float* srow, std::size_t first,
+                               std::size_t rows, const auto& pv_of) {
+    if (softmax_rows(j, r, srow, first, rows)) pv_of(out + r * dim + (g * kv_mul + j) * hs, srow);
   };
   // Rows [first, first + rows) of the block: per query head and query, its scores, then the rest.
   const auto attend_rows = [&](std::size_t first, std::size_t rows, const auto& scores_of,
@@ -242,14 +247,30 @@ void attend_kv_head_coded(const ModelConfig& cfg, const S& store, std::size_t la
         finish_rows(j, r, srow, first, rows, pv_of);
       }
   };
-  // The same with a query's kv_mul heads scored together into s_all [kv_mul][kTile].
+  // The same with a query's kv_mul heads scored together into s_all [kv_mul][kTile], and summed
+  // together by heads_pv_of(o [kv_mul][hs], p [kv_mul][kTile]) when every head sees a row of the
+  // tile (else pv_of one head at a time: a head that saw nothing must not be summed).
   const auto attend_rows_by_query = [&](std::size_t first, std::size_t rows,
-                                        const auto& heads_scores_of, const auto& pv_of) {
+                                        const auto& heads_scores_of, const auto& heads_pv_of,
+                                        const auto& pv_of) {
+    constexpr std::size_t kMaxTogether = 64;  // heads a bit mask notes
     for (std::size_t r = 0; r < n; ++r) {
       if (first > q_first + r) continue;
       heads_scores_of(s_all, r);
+      if (kv_mul > kMaxTogether) {
+        for (std::size_t j = 0; j < kv_mul; ++j)
+          finish_rows(j, r, s_all + j * kTile, first, rows, pv_of);
+        continue;
+      }
+      std::uint64_t seen = 0;  // bit j: head j sees a row
       for (std::size_t j = 0; j < kv_mul; ++j)
-        finish_rows(j, r, s_all + j * kTile, first, rows, pv_of);
+        if (softmax_rows(j, r, s_all + j * kTile, first, rows)) seen |= std::uint64_t{1} << j;
+      float* const o = out + r * dim + g * kv_mul * hs;
+      if (seen == (kv_mul == kMaxTogether ? ~std::uint64_t{0} : (std::uint64_t{1} << kv_mul) - 1))
+        heads_pv_of(o, s_all);
+      else
+        for (std::size_t j = 0; j < kv_mul; ++j)
+          if ((seen >> j & 1) != 0) pv_of(o + j * hs, s_all + j * kTile);
     }
   };
 
@@ -275,12 +296,26 @@ void attend_kv_head_coded(const ModelConfig& cfg, const S& store, std::size_t la
                                       keys, b.key_min + r0, b.key_step + r0, rows, hs, scale);
             },
             [&](float* o, const float* p) {
+              coded_heads_pv_int8(ks, o, hs, p, kTile, kv_mul, w, values, b.value_min + r0,
+                                  b.value_step + r0, rows, hs);
+            },
+            [&](float* o, const float* p) {
               coded_pv_int8(ks, o, p, w, values, b.value_min + r0, b.value_step + r0, rows, hs);
             });
       } else if constexpr (std::is_same_v<Block, LowBitKvBlock>) {
         const std::size_t row_bytes = hs * b.bits / 8;
         const std::uint8_t* keys = b.keys + r0 * row_bytes;      // [rows][row_bytes]
         const std::uint8_t* values = b.values + r0 * row_bytes;  // [rows][row_bytes]
+        const auto pv_of = [&](float* o, const float* p) {
+          if (b.signs == nullptr)
+            return coded_pv_low_bit(ks, o, p, w, values, b.bits, b.value_min + r0,
+                                    b.value_step + r0, rows, hs);
+          std::fill_n(acc, hs, 0.0f);
+          coded_pv_low_bit(ks, acc, p, w, values, b.bits, b.value_min + r0, b.value_step + r0, rows,
+                           hs);
+          rotate_rows(acc, 1, hs, b.signs, /*inverse=*/true);
+          for (std::size_t c = 0; c < hs; ++c) o[c] += acc[c];
+        };
         attend_rows_by_query(
             b.first + r0, rows,
             [&](float* s, std::size_t r) {
@@ -297,15 +332,9 @@ void attend_kv_head_coded(const ModelConfig& cfg, const S& store, std::size_t la
                                          rows, hs, scale);
             },
             [&](float* o, const float* p) {
-              if (b.signs == nullptr)
-                return coded_pv_low_bit(ks, o, p, w, values, b.bits, b.value_min + r0,
-                                        b.value_step + r0, rows, hs);
-              std::fill_n(acc, hs, 0.0f);
-              coded_pv_low_bit(ks, acc, p, w, values, b.bits, b.value_min + r0, b.value_step + r0,
-                               rows, hs);
-              rotate_rows(acc, 1, hs, b.signs, /*inverse=*/true);
-              for (std::size_t c = 0; c < hs; ++c) o[c] += acc[c];
-            });
+              for (std::size_t j = 0; j < kv_mul; ++j) pv_of(o + j * hs, p + j * kTile);
+            },
+            pv_of);
       } else {
         static_assert(std::is_same_v<Block, KvBlock<float>>, "a coded block attention knows");
         const float* keys = b.keys + r0 * b.stride;      // [rows][stride]
