@@ -1020,7 +1020,9 @@ KVDECODE_TARGET_AVX512BF16 inline void int8_heads_pv_vnni(
       for (int k = 0; k < 4; ++k) acc[h][k] = _mm512_setzero_si512();
       for (std::size_t r = 0; r < rows; r += 2) {
         const std::uint8_t* const a = codes + r * hs + d0;
+        // Both rows' codes kPrefetchBytes ahead, as int8_pv_vnni requests each row's.
         _mm_prefetch(reinterpret_cast<const char*>(a) + kPrefetchBytes, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(a + hs) + kPrefetchBytes, _MM_HINT_T0);
         const bool second = r + 1 < rows;
         // Channels [0, 32) and [32, 64) of rows r and r + 1 as 16-bit integers.
         const __m512i a0 = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(m0, a));
