@@ -480,50 +480,67 @@ TEST(CodedAttentionTest, LowBitKernelsMatchTheFormula) {
       }
 }
 
-// A group whose key range is not finite (a NaN or infinite min, a NaN or infinite step, as a
-// range beyond f16 or a corrupt file gives) scores every row non-finite in every set, never a
-// finite wrong value.
-// 8-bit values summed for the query heads that share a kv head (coded_heads_pv_int8): each
-// head bit for bit coded_pv_int8 alone (checked against the formula above), for head counts
-// that fill and split the kernel's passes, odd row counts, weights of 0, rows past the VNNI
-// kernels' limit, and nothing written past a head's channels.
-TEST(CodedAttentionTest, Int8HeadPvIsEachHeadAlone) {
+// 8-, 4- and 2-bit values summed for the query heads that share a kv head (coded_heads_pv_int8,
+// coded_heads_pv_low_bit): each head bit for bit the one-head kernel alone (checked against the
+// formula above), for head counts that fill and split the kernel's passes, odd row counts,
+// weights of 0, rows past the VNNI kernels' limit, and nothing written past a head's channels.
+// A head whose weights are all 0 (a head that saw no row of the tile: attention passes every
+// head's weights whenever one head saw a row) is left exactly as it was.
+TEST(CodedAttentionTest, HeadPvIsEachHeadAlone) {
   std::vector<Shape> shapes(std::begin(kShapes), std::end(kShapes));
   shapes.push_back({256, 33});
   shapes.push_back({48, 256});
-  for (const KernelSet ks : supported_sets())
-    for (const Shape sh : shapes)
-      for (const std::size_t heads : {1, 2, 3, 4, 5, 8}) {
-        detail::SplitMix64 rng(sh.hs * 61 + sh.rows * 3 + heads);
-        const std::size_t hs = sh.hs, rows = sh.rows, o_stride = hs + 5, p_stride = rows + 7;
-        std::vector<float> p(heads * p_stride), o(heads * o_stride),
-            w(detail::coded_pv_scratch_floats(rows));
-        std::vector<std::uint16_t> vmin(rows), vstep(rows);  // f16
-        std::vector<std::uint8_t> vc(rows * hs);             // [rows][hs]
-        for (std::size_t r = 0; r < rows; ++r) {
-          vmin[r] = random_f16(rng, true);
-          vstep[r] = random_f16(rng, false);
+  for (const unsigned bits : {8u, 4u, 2u})
+    for (const KernelSet ks : supported_sets())
+      for (const Shape sh : shapes)
+        for (const std::size_t heads : {1, 2, 3, 4, 5, 8}) {
+          detail::SplitMix64 rng(sh.hs * 61 + sh.rows * 3 + heads + bits);
+          const std::size_t hs = sh.hs, rows = sh.rows, o_stride = hs + 5, p_stride = rows + 7,
+                            row_bytes = hs * bits / 8;
+          if (hs * bits % 8 != 0) continue;
+          std::vector<float> p(heads * p_stride), o(heads * o_stride),
+              w(detail::coded_pv_scratch_floats(rows));
+          std::vector<std::uint16_t> vmin(rows), vstep(rows);  // f16
+          std::vector<std::uint8_t> vc(rows * row_bytes);      // [rows][row_bytes]
+          for (std::size_t r = 0; r < rows; ++r) {
+            vmin[r] = random_f16(rng, true);
+            vstep[r] = random_f16(rng, false);
+          }
+          for (auto& c : vc) c = static_cast<std::uint8_t>(rng.next());
+          for (float& x : p) x = rng.next() % 5 == 0 ? 0.0f : std::abs(uniform(rng));
+          const std::size_t blind = heads > 1 ? heads / 2 : heads;  // all weights 0 (none at 1)
+          if (blind < heads)
+            std::fill_n(p.begin() + static_cast<std::ptrdiff_t>(blind * p_stride), rows, 0.0f);
+          for (float& x : o) x = uniform(rng);
+          const std::vector<float> o0 = o;
+          if (bits == 8)
+            detail::coded_heads_pv_int8(ks, o.data(), o_stride, p.data(), p_stride, heads, w.data(),
+                                        vc.data(), vmin.data(), vstep.data(), rows, hs);
+          else
+            detail::coded_heads_pv_low_bit(ks, o.data(), o_stride, p.data(), p_stride, heads,
+                                           w.data(), vc.data(), bits, vmin.data(), vstep.data(),
+                                           rows, hs);
+          for (std::size_t h = 0; h < heads; ++h) {
+            const std::string where = std::string(kernel_set_name(ks)) + " bits " +
+                                      std::to_string(bits) + " hs " + std::to_string(hs) +
+                                      " rows " + std::to_string(rows) + " head " +
+                                      std::to_string(h) + " of " + std::to_string(heads);
+            const auto before = o0.begin() + static_cast<std::ptrdiff_t>(h * o_stride);
+            std::vector<float> alone(before, before + static_cast<std::ptrdiff_t>(hs));
+            if (h != blind && bits == 8)
+              detail::coded_pv_int8(ks, alone.data(), p.data() + h * p_stride, w.data(), vc.data(),
+                                    vmin.data(), vstep.data(), rows, hs);
+            else if (h != blind)
+              detail::coded_pv_low_bit(ks, alone.data(), p.data() + h * p_stride, w.data(),
+                                       vc.data(), bits, vmin.data(), vstep.data(), rows, hs);
+            ASSERT_TRUE(same_bits(alone, std::span<const float>(o.data() + h * o_stride, hs)))
+                << where
+                << (h == blind ? ": a head with no weight changed"
+                               : ": p·v differs from the head alone");
+            for (std::size_t c = hs; c < o_stride; ++c)
+              ASSERT_EQ(o[h * o_stride + c], o0[h * o_stride + c]) << where << ": wrote past hs";
+          }
         }
-        for (auto& c : vc) c = static_cast<std::uint8_t>(rng.next());
-        for (float& x : p) x = rng.next() % 5 == 0 ? 0.0f : std::abs(uniform(rng));
-        for (float& x : o) x = uniform(rng);
-        const std::vector<float> o0 = o;
-        detail::coded_heads_pv_int8(ks, o.data(), o_stride, p.data(), p_stride, heads, w.data(),
-                                    vc.data(), vmin.data(), vstep.data(), rows, hs);
-        for (std::size_t h = 0; h < heads; ++h) {
-          const std::string where = std::string(kernel_set_name(ks)) + " hs " + std::to_string(hs) +
-                                    " rows " + std::to_string(rows) + " head " + std::to_string(h) +
-                                    " of " + std::to_string(heads);
-          std::vector<float> alone(o0.begin() + static_cast<std::ptrdiff_t>(h * o_stride),
-                                   o0.begin() + static_cast<std::ptrdiff_t>(h * o_stride + hs));
-          detail::coded_pv_int8(ks, alone.data(), p.data() + h * p_stride, w.data(), vc.data(),
-                                vmin.data(), vstep.data(), rows, hs);
-          ASSERT_TRUE(same_bits(alone, std::span<const float>(o.data() + h * o_stride, hs)))
-              << where << ": p·v differs from the head alone";
-          for (std::size_t c = hs; c < o_stride; ++c)
-            ASSERT_EQ(o[h * o_stride + c], o0[h * o_stride + c]) << where << ": wrote past hs";
-        }
-      }
 }
 
 // Low-bit keys scored for the query heads that share a kv head (coded_heads_scores_low_bit):
@@ -573,6 +590,9 @@ TEST(CodedAttentionTest, LowBitHeadScoresAreEachHeadAlone) {
         }
 }
 
+// A group whose key range is not finite (a NaN or infinite min, a NaN or infinite step, as a
+// range beyond f16 or a corrupt file gives) scores every row non-finite in every set, never a
+// finite wrong value.
 TEST(CodedAttentionTest, LowBitNonFiniteRangesGiveNonFiniteScores) {
   constexpr std::uint16_t kNan = 0x7E00, kInf = 0x7C00, kMinusInf = 0xFC00;
   struct Range {

@@ -125,12 +125,12 @@ constexpr std::size_t int8_query_floats(std::size_t hs) { return 16 + (hs + 63) 
 /// Most rows the VNNI p·v takes in one call.
 inline constexpr std::size_t kMaxVnniRows = 256;
 
-/// Query heads int8_heads_pv_vnni sums in one pass over the rows: 4 accumulators a head beside
-/// 4 registers of interleaved codes.
+/// Query heads the heads' p·v kernels (heads_pv_vnni) sum in one pass over the rows: 4
+/// accumulators a head beside 4 registers of interleaved codes.
 inline constexpr std::size_t kVnniPvHeadsAtOnce = 3;
 
-/// Floats of scratch the p·v kernels take for a tile of `rows` rows (coded_pv_int8's weights or
-/// coded_heads_pv_int8's 16-bit weights of kVnniPvHeadsAtOnce heads).
+/// Floats of scratch the p·v kernels take for a tile of `rows` rows (the one-head kernels' weights
+/// or the heads' kernels' 16-bit weights of kVnniPvHeadsAtOnce heads).
 constexpr std::size_t coded_pv_scratch_floats(std::size_t rows) {
   const std::size_t padded = (rows + 15) / 16 * 16;
   return std::max(padded, kVnniPvHeadsAtOnce * padded / 2);
@@ -990,17 +990,25 @@ KVDECODE_TARGET_AVX512BF16 inline void int8_pv_vnni(float* o, const float* p,
   }
 }
 
-/// int8_pv_vnni for the query heads that share a kv head: o [heads][o_stride] (first hs of
-/// each) += Σ_r p_h [r] · (vmin [r] + vstep [r] · codes [r][hs]), p_h = p + h · p_stride, for
-/// rows ≤ kMaxVnniRows; words [heads][round_up(rows, 16)] is scratch. Each head's bits are
-/// int8_pv_vnni's: its weights rounded as there, the same int32 sums Σ_r code · (128·hi + lo)
-/// taken as one 16-bit weight (vpdpwssd, two rows a lane) instead of two bytes (vpdpbusd, four
-/// rows a lane, hi and lo apart). Two rows' codes are widened and interleaved once for every
-/// head, and the half as many accumulators let three heads' stay in registers.
-KVDECODE_TARGET_AVX512BF16 inline void int8_heads_pv_vnni(
-    float* o, std::size_t o_stride, const float* p, std::size_t p_stride, std::size_t heads,
-    const std::uint8_t* codes, const std::uint16_t* vmin, const std::uint16_t* vstep,
-    std::size_t rows, std::size_t hs, std::int16_t* words) {
+/// The pass the heads' p·v kernels share, for the query heads that share a kv head: o
+/// [heads][o_stride] += Σ_r p_h [r] · (vmin [r] + vstep [r] · code [r][..]), p_h = p + h ·
+/// p_stride, over the rows' codes [rows][row_bytes] in chunks of chunk_bytes; words
+/// [heads][round_up(rows, 16)] is scratch. Each head's weights are rounded as int8_pv_vnni's
+/// (vnni_weight_words), and its int32 sums Σ_r code · (128·hi + lo) are the one-head kernels'
+/// hi and lo sums taken as one 16-bit weight (vpdpwssd, two rows a lane) instead of two bytes
+/// (vpdpbusd, four rows a lane, hi and lo apart): the same bits. Two rows' codes are widened and
+/// interleaved once for every head, and the half as many accumulators let three heads' stay in
+/// registers. widen(n)(row, x) sets x [2] to a chunk's (n bytes) 64 codes as 32 words each;
+/// put(o_h, b0, n, out, bias) adds to head h's o_h the codes' sums out [4] (codes in widen's
+/// order, 16 a register, times d) and the bias of the chunk at byte b0.
+template <class Widen, class Put>
+KVDECODE_TARGET_AVX512BF16 inline void heads_pv_vnni(float* o, std::size_t o_stride, const float* p,
+                                                     std::size_t p_stride, std::size_t heads,
+                                                     const std::uint8_t* codes,
+                                                     std::size_t row_bytes, std::size_t chunk_bytes,
+                                                     const std::uint16_t* vmin,
+                                                     const std::uint16_t* vstep, std::size_t rows,
+                                                     std::int16_t* words, Widen widen, Put put) {
   constexpr std::size_t kAtOnce = kVnniPvHeadsAtOnce;
   const std::size_t padded = (rows + 15) / 16 * 16;
   for (std::size_t h0 = 0; h0 < heads; h0 += kAtOnce) {
@@ -1009,30 +1017,24 @@ KVDECODE_TARGET_AVX512BF16 inline void int8_heads_pv_vnni(
     for (std::size_t h = 0; h < at_once; ++h)
       bias[h] =
           vnni_weight_words(p + (h0 + h) * p_stride, vmin, vstep, rows, words + h * padded, d[h]);
-    for (std::size_t d0 = 0; d0 < hs; d0 += 64) {
-      const std::size_t n = hs - d0 < 64 ? hs - d0 : 64;
-      const auto m0 = static_cast<__mmask32>(n >= 32 ? ~0u : (1u << n) - 1u);
-      const auto m1 = static_cast<__mmask32>(n >= 64 ? ~0u : n > 32 ? (1u << (n - 32)) - 1u : 0u);
-      __m512i acc[kAtOnce]
-                 [4];  // lane 4L + j: channel 8L + j (k = 0), 8L + 4 + j (1), 32 + .. (2, 3)
+    for (std::size_t b0 = 0; b0 < row_bytes; b0 += chunk_bytes) {
+      const std::size_t n = row_bytes - b0 < chunk_bytes ? row_bytes - b0 : chunk_bytes;
+      const auto widen_chunk = widen(n);
+      __m512i acc[kAtOnce][4];  // lane 4L + j: code 8L + j (k = 0), 8L + 4 + j (1), 32 + .. (2, 3)
       KVDECODE_UNROLL
       for (std::size_t h = 0; h < kAtOnce; ++h) KVDECODE_UNROLL
       for (int k = 0; k < 4; ++k) acc[h][k] = _mm512_setzero_si512();
       for (std::size_t r = 0; r < rows; r += 2) {
-        const std::uint8_t* const a = codes + r * hs + d0;
-        // Both rows' codes kPrefetchBytes ahead, as int8_pv_vnni requests each row's.
+        const std::uint8_t* const a = codes + r * row_bytes + b0;
+        // Both rows' codes kPrefetchBytes ahead, as the one-head kernels request each row's.
         _mm_prefetch(reinterpret_cast<const char*>(a) + kPrefetchBytes, _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(a + hs) + kPrefetchBytes, _MM_HINT_T0);
-        const bool second = r + 1 < rows;
-        // Channels [0, 32) and [32, 64) of rows r and r + 1 as 16-bit integers.
-        const __m512i a0 = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(m0, a));
-        const __m512i a1 = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(m1, a + 32));
-        const __m512i b0 = second ? _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(m0, a + hs))
-                                  : _mm512_setzero_si512();
-        const __m512i b1 = second ? _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(m1, a + hs + 32))
-                                  : _mm512_setzero_si512();
-        const __m512i x[4] = {_mm512_unpacklo_epi16(a0, b0), _mm512_unpackhi_epi16(a0, b0),
-                              _mm512_unpacklo_epi16(a1, b1), _mm512_unpackhi_epi16(a1, b1)};
+        _mm_prefetch(reinterpret_cast<const char*>(a + row_bytes) + kPrefetchBytes, _MM_HINT_T0);
+        __m512i x0[2], x1[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+        widen_chunk(a, x0);
+        if (r + 1 < rows) widen_chunk(a + row_bytes, x1);
+        const __m512i x[4] = {
+            _mm512_unpacklo_epi16(x0[0], x1[0]), _mm512_unpackhi_epi16(x0[0], x1[0]),
+            _mm512_unpacklo_epi16(x0[1], x1[1]), _mm512_unpackhi_epi16(x0[1], x1[1])};
         KVDECODE_UNROLL
         for (std::size_t h = 0; h < kAtOnce; ++h) {
           if (h >= at_once) continue;  // not break: a fixed trip count unrolls
@@ -1046,11 +1048,11 @@ KVDECODE_TARGET_AVX512BF16 inline void int8_heads_pv_vnni(
       KVDECODE_UNROLL
       for (std::size_t h = 0; h < kAtOnce; ++h) {
         if (h >= at_once) continue;
-        const __m512 vd = _mm512_set1_ps(d[h]), vb = _mm512_set1_ps(bias[h]);
+        const __m512 vd = _mm512_set1_ps(d[h]);
         __m512 v[4];
         KVDECODE_UNROLL
         for (int k = 0; k < 4; ++k) v[k] = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[h][k]), vd);
-        // Channels in order: 128-bit blocks L of v[0] and v[1] alternate (8L .. 8L + 7).
+        // Codes in order: 128-bit blocks L of v[0] and v[1] alternate (8L .. 8L + 7).
         __m512 out[4];
         KVDECODE_UNROLL
         for (int k = 0; k < 2; ++k) {
@@ -1059,10 +1061,57 @@ KVDECODE_TARGET_AVX512BF16 inline void int8_heads_pv_vnni(
           out[2 * k] = _mm512_shuffle_f32x4(lo, lo, _MM_SHUFFLE(3, 1, 2, 0));
           out[2 * k + 1] = _mm512_shuffle_f32x4(up, up, _MM_SHUFFLE(3, 1, 2, 0));
         }
-        float* const oh = o + (h0 + h) * o_stride + d0;
-        for (std::size_t k = 0; 16 * k < n; ++k) add_to_avx512(oh + 16 * k, n - 16 * k, out[k], vb);
+        put(o + (h0 + h) * o_stride, b0, n, out, _mm512_set1_ps(bias[h]));
       }
     }
+  }
+}
+
+/// int8_pv_vnni for the query heads that share a kv head: o [heads][o_stride] (first hs of
+/// each) += Σ_r p_h [r] · (vmin [r] + vstep [r] · codes [r][hs]), p_h = p + h · p_stride, for
+/// rows ≤ kMaxVnniRows; words [heads][round_up(rows, 16)] is scratch. Each head's bits are
+/// int8_pv_vnni's (heads_pv_vnni).
+KVDECODE_TARGET_AVX512BF16 inline void int8_heads_pv_vnni(
+    float* o, std::size_t o_stride, const float* p, std::size_t p_stride, std::size_t heads,
+    const std::uint8_t* codes, const std::uint16_t* vmin, const std::uint16_t* vstep,
+    std::size_t rows, std::size_t hs, std::int16_t* words) {
+  heads_pv_vnni(
+      o, o_stride, p, p_stride, heads, codes, hs, 64, vmin, vstep, rows, words,
+      [](std::size_t n) {
+        // Channels [0, 32) and [32, 64) as 16-bit integers.
+        const auto m0 = static_cast<__mmask32>(n >= 32 ? ~0u : (1u << n) - 1u);
+        const auto m1 = static_cast<__mmask32>(n >= 64 ? ~0u : n > 32 ? (1u << (n - 32)) - 1u : 0u);
+        return [m0, m1](const std::uint8_t* row, __m512i* x) KVDECODE_TARGET_AVX512BF16 {
+          x[0] = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(m0, row));
+          x[1] = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(m1, row + 32));
+        };
+      },
+      [](float* oh, std::size_t d0, std::size_t n, const __m512* out, __m512 bias)
+          KVDECODE_TARGET_AVX512BF16 {
+            for (std::size_t k = 0; 16 * k < n; ++k)
+              add_to_avx512(oh + d0 + 16 * k, n - 16 * k, out[k], bias);
+          });
+}
+
+/// Even channels e and odd ones o of 16 pairs into channels in order for _mm512_permutex2var_ps:
+/// (e0 o0 .. e7 o7) with q4_pairs_lo, then (e8 o8 .. e15 o15) with q4_pairs_hi.
+KVDECODE_TARGET_AVX512 inline __m512i q4_pairs_lo() {
+  return _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+}
+KVDECODE_TARGET_AVX512 inline __m512i q4_pairs_hi() {
+  return _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+}
+
+/// o [hs] += the sums of 32 bytes at byte b0 of 4-bit rows (n of them there) + bias: out [4] the
+/// even channels of bytes [0, 16) and [16, 32), then the odd ones.
+KVDECODE_TARGET_AVX512 inline void add_q4_chunk(float* o, std::size_t hs, std::size_t b0,
+                                                std::size_t n, const __m512* out, __m512 bias) {
+  for (std::size_t k = 0; k < 2 && 16 * k < n; ++k) {
+    const std::size_t c = 2 * (b0 + 16 * k), left = hs - c;  // channels [c, c + 32)
+    add_to_avx512(o + c, left, _mm512_permutex2var_ps(out[k], q4_pairs_lo(), out[k + 2]), bias);
+    if (left > 16)
+      add_to_avx512(o + c + 16, left - 16,
+                    _mm512_permutex2var_ps(out[k], q4_pairs_hi(), out[k + 2]), bias);
   }
 }
 
@@ -1075,24 +1124,38 @@ KVDECODE_TARGET_AVX512BF16 inline void q4_pv_vnni(float* o, const float* p,
                                                   std::size_t hs, float* packs) {
   float d = 0.0f;
   const __m512 bias = _mm512_set1_ps(vnni_weights(p, vmin, vstep, rows, packs, d));
-  // Even channels e and odd ones o of 16 pairs into channels in order: (e0 o0 .. e7 o7), then
-  // (e8 o8 .. e15 o15).
-  const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-  const __m512i hi =
-      _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
   const std::size_t row_bytes = hs / 2;
   for (std::size_t b0 = 0; b0 < row_bytes; b0 += 32) {
     const std::size_t n = row_bytes - b0 < 32 ? row_bytes - b0 : 32;  // bytes: 2n channels
     const auto m = static_cast<__mmask32>(n == 32 ? ~0u : (1u << n) - 1u);
     __m512 out[4];  // even channels of bytes [0, 16), [16, 32), then the odd ones
     vnni_pv_bytes(out, packs, rows, d, Q4Codes64{codes, row_bytes, b0, m});
-    for (std::size_t k = 0; k < 2 && 16 * k < n; ++k) {
-      const std::size_t c = 2 * (b0 + 16 * k), left = hs - c;  // channels [c, c + 32)
-      add_to_avx512(o + c, left, _mm512_permutex2var_ps(out[k], lo, out[k + 2]), bias);
-      if (left > 16)
-        add_to_avx512(o + c + 16, left - 16, _mm512_permutex2var_ps(out[k], hi, out[k + 2]), bias);
-    }
+    add_q4_chunk(o, hs, b0, n, out, bias);
   }
+}
+
+/// q4_pv_vnni for the query heads that share a kv head: o [heads][o_stride] (first hs of each)
+/// += Σ_r p_h [r] · (vmin [r] + vstep [r] · 4-bit codes [r][hs / 2]), p_h = p + h · p_stride,
+/// for rows ≤ kMaxVnniRows; words [heads][round_up(rows, 16)] is scratch. Each head's bits are
+/// q4_pv_vnni's (heads_pv_vnni).
+KVDECODE_TARGET_AVX512BF16 inline void q4_heads_pv_vnni(
+    float* o, std::size_t o_stride, const float* p, std::size_t p_stride, std::size_t heads,
+    const std::uint8_t* codes, const std::uint16_t* vmin, const std::uint16_t* vstep,
+    std::size_t rows, std::size_t hs, std::int16_t* words) {
+  heads_pv_vnni(
+      o, o_stride, p, p_stride, heads, codes, hs / 2, 32, vmin, vstep, rows, words,
+      [](std::size_t n) {
+        // The even channels (low nibbles) of the n bytes, then the odd ones, as 16-bit integers.
+        const auto m = static_cast<__mmask32>(n >= 32 ? ~0u : (1u << n) - 1u);
+        return [m](const std::uint8_t* row, __m512i* x) KVDECODE_TARGET_AVX512BF16 {
+          const __m256i bytes = _mm256_maskz_loadu_epi8(m, row);
+          const __m256i nibble = _mm256_set1_epi8(0x0F);
+          x[0] = _mm512_cvtepu8_epi16(_mm256_and_si256(bytes, nibble));
+          x[1] = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble));
+        };
+      },
+      [hs](float* oh, std::size_t b0, std::size_t n, const __m512* out, __m512 bias)
+          KVDECODE_TARGET_AVX512BF16 { add_q4_chunk(oh, hs, b0, n, out, bias); });
 }
 
 /// w [rows] = p · vstep and returns Σ p · vmin (ranges f16).
@@ -1481,6 +1544,24 @@ inline void coded_pv_low_bit(KernelSet ks, float* o, const float* p, float* w,
 #endif
   static_cast<void>(ks), static_cast<void>(w);
   coded_pv_low_bit_portable(o, p, codes, bits, vmin, vstep, rows, hs);
+}
+
+/// coded_pv_low_bit for the query heads that share the kv head of codes: o [heads][o_stride]
+/// (first hs of each) += Σ_r p_h [r] · (vmin [r] + vstep [r] · codes [r]), p_h = p + h ·
+/// p_stride; w [coded_pv_scratch_floats(rows)] is scratch. Each head's bits are
+/// coded_pv_low_bit's.
+inline void coded_heads_pv_low_bit(KernelSet ks, float* o, std::size_t o_stride, const float* p,
+                                   std::size_t p_stride, std::size_t heads, float* w,
+                                   const std::uint8_t* codes, unsigned bits,
+                                   const std::uint16_t* vmin, const std::uint16_t* vstep,
+                                   std::size_t rows, std::size_t hs) {
+#if KVDECODE_X86_KERNELS
+  if (heads > 1 && ks == KernelSet::kAvx512Bf16 && bits == 4 && rows <= kMaxVnniRows)
+    return q4_heads_pv_vnni(o, o_stride, p, p_stride, heads, codes, vmin, vstep, rows, hs,
+                            reinterpret_cast<std::int16_t*>(w));
+#endif
+  for (std::size_t h = 0; h < heads; ++h)
+    coded_pv_low_bit(ks, o + h * o_stride, p + h * p_stride, w, codes, bits, vmin, vstep, rows, hs);
 }
 
 /// s [heads][s_stride] (first rows of each) = q [heads][hs] · keys [rows][stride] (first hs of

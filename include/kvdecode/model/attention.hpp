@@ -230,12 +230,8 @@ void attend_kv_head_coded(const ModelConfig& cfg, const S& store, std::size_t la
     return online_softmax_row(srow, rows, m_all[j * n + r], l_all[j * n + r],
                               out + r * dim + (g * kv_mul + j) * hs, hs, ks);
   };
-  // The same, then p·v.
-  const auto finish_rows = [&](std::size_t j, std::size_t r, float* srow, std::size_t first,
-                               std::size_t rows, const auto& pv_of) {
-    if (softmax_rows(j, r, srow, first, rows)) pv_of(out + r * dim + (g * kv_mul + j) * hs, srow);
-  };
-  // Rows [first, first + rows) of the block: per query head and query, its scores, then the rest.
+  // Rows [first, first + rows) of the block: per query head and query, its scores, the softmax,
+  // then p·v.
   const auto attend_rows = [&](std::size_t first, std::size_t rows, const auto& scores_of,
                                const auto& pv_of) {
     for (std::size_t j = 0; j < kv_mul; ++j)
@@ -244,33 +240,23 @@ void attend_kv_head_coded(const ModelConfig& cfg, const S& store, std::size_t la
         float* const srow = s_all + r * kTile;
         scores_of(srow, q + r * dim + (g * kv_mul + j) * hs, qsum_all[j * n + r],
                   qv_all + (j * n + r) * qv_size);
-        finish_rows(j, r, srow, first, rows, pv_of);
+        if (softmax_rows(j, r, srow, first, rows))
+          pv_of(out + r * dim + (g * kv_mul + j) * hs, srow);
       }
   };
-  // The same with a query's kv_mul heads scored together into s_all [kv_mul][kTile], and summed
-  // together by heads_pv_of(o [kv_mul][hs], p [kv_mul][kTile]) when every head sees a row of the
-  // tile (else pv_of one head at a time: a head that saw nothing must not be summed).
+  // The same with a query's kv_mul heads scored together into s_all [kv_mul][kTile] and summed
+  // together by heads_pv_of(o [kv_mul][hs], p [kv_mul][kTile]). What a query sees does not depend
+  // on the head, so its heads see rows of the tile together or none does; a head whose scores
+  // are all -inf (overflow) sees none, and its zeroed row adds exactly nothing to its output.
   const auto attend_rows_by_query = [&](std::size_t first, std::size_t rows,
-                                        const auto& heads_scores_of, const auto& heads_pv_of,
-                                        const auto& pv_of) {
-    constexpr std::size_t kMaxTogether = 64;  // heads a bit mask notes
+                                        const auto& heads_scores_of, const auto& heads_pv_of) {
     for (std::size_t r = 0; r < n; ++r) {
       if (first > q_first + r) continue;
       heads_scores_of(s_all, r);
-      if (kv_mul > kMaxTogether) {
-        for (std::size_t j = 0; j < kv_mul; ++j)
-          finish_rows(j, r, s_all + j * kTile, first, rows, pv_of);
-        continue;
-      }
-      std::uint64_t seen = 0;  // bit j: head j sees a row
+      bool seen = false;
       for (std::size_t j = 0; j < kv_mul; ++j)
-        if (softmax_rows(j, r, s_all + j * kTile, first, rows)) seen |= std::uint64_t{1} << j;
-      float* const o = out + r * dim + g * kv_mul * hs;
-      if (seen == (kv_mul == kMaxTogether ? ~std::uint64_t{0} : (std::uint64_t{1} << kv_mul) - 1))
-        heads_pv_of(o, s_all);
-      else
-        for (std::size_t j = 0; j < kv_mul; ++j)
-          if ((seen >> j & 1) != 0) pv_of(o + j * hs, s_all + j * kTile);
+        seen = softmax_rows(j, r, s_all + j * kTile, first, rows) || seen;
+      if (seen) heads_pv_of(out + r * dim + g * kv_mul * hs, s_all);
     }
   };
 
@@ -298,23 +284,23 @@ void attend_kv_head_coded(const ModelConfig& cfg, const S& store, std::size_t la
             [&](float* o, const float* p) {
               coded_heads_pv_int8(ks, o, hs, p, kTile, kv_mul, w, values, b.value_min + r0,
                                   b.value_step + r0, rows, hs);
-            },
-            [&](float* o, const float* p) {
-              coded_pv_int8(ks, o, p, w, values, b.value_min + r0, b.value_step + r0, rows, hs);
             });
       } else if constexpr (std::is_same_v<Block, LowBitKvBlock>) {
         const std::size_t row_bytes = hs * b.bits / 8;
         const std::uint8_t* keys = b.keys + r0 * row_bytes;      // [rows][row_bytes]
         const std::uint8_t* values = b.values + r0 * row_bytes;  // [rows][row_bytes]
-        const auto pv_of = [&](float* o, const float* p) {
+        // Rotated values are summed per head, into acc, and rotated back before they join o.
+        const auto heads_pv_of = [&](float* o, const float* p) {
           if (b.signs == nullptr)
-            return coded_pv_low_bit(ks, o, p, w, values, b.bits, b.value_min + r0,
-                                    b.value_step + r0, rows, hs);
-          std::fill_n(acc, hs, 0.0f);
-          coded_pv_low_bit(ks, acc, p, w, values, b.bits, b.value_min + r0, b.value_step + r0, rows,
-                           hs);
-          rotate_rows(acc, 1, hs, b.signs, /*inverse=*/true);
-          for (std::size_t c = 0; c < hs; ++c) o[c] += acc[c];
+            return coded_heads_pv_low_bit(ks, o, hs, p, kTile, kv_mul, w, values, b.bits,
+                                          b.value_min + r0, b.value_step + r0, rows, hs);
+          for (std::size_t j = 0; j < kv_mul; ++j) {
+            std::fill_n(acc, hs, 0.0f);
+            coded_pv_low_bit(ks, acc, p + j * kTile, w, values, b.bits, b.value_min + r0,
+                             b.value_step + r0, rows, hs);
+            rotate_rows(acc, 1, hs, b.signs, /*inverse=*/true);
+            for (std::size_t c = 0; c < hs; ++c) o[j * hs + c] += acc[c];
+          }
         };
         attend_rows_by_query(
             b.first + r0, rows,
@@ -331,10 +317,7 @@ void attend_kv_head_coded(const ModelConfig& cfg, const S& store, std::size_t la
               coded_heads_scores_low_bit(ks, s, kTile, qs, qs_size, qm, 1, kv_mul, keys, b.bits,
                                          rows, hs, scale);
             },
-            [&](float* o, const float* p) {
-              for (std::size_t j = 0; j < kv_mul; ++j) pv_of(o + j * hs, p + j * kTile);
-            },
-            pv_of);
+            heads_pv_of);
       } else {
         static_assert(std::is_same_v<Block, KvBlock<float>>, "a coded block attention knows");
         const float* keys = b.keys + r0 * b.stride;      // [rows][stride]
