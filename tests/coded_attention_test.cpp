@@ -864,16 +864,24 @@ void expect_attention_matches(const char* what, const ModelConfig& cfg, const S&
   }
 }
 
-/// A config of head size hs with 4 query heads on 2 kv heads, 1 layer.
-ModelConfig config_of(std::size_t hs, std::size_t seq_len) {
-  return test_config({.dim = static_cast<std::int64_t>(4 * hs),
+/// A config of head size hs with n_heads query heads on n_kv_heads kv heads, 1 layer.
+ModelConfig config_of(std::size_t hs, std::size_t seq_len, std::int64_t n_heads = 4,
+                      std::int64_t n_kv_heads = 2) {
+  return test_config({.dim = n_heads * static_cast<std::int64_t>(hs),
                       .hidden_dim = 32,
                       .n_layers = 1,
-                      .n_heads = 4,
-                      .n_kv_heads = 2,
+                      .n_heads = n_heads,
+                      .n_kv_heads = n_kv_heads,
                       .vocab_size = 11,
                       .seq_len = static_cast<std::int64_t>(seq_len)});
 }
+
+/// Query heads on kv heads beside the default 4 on 2: one each (MHA: the one-head kernels),
+/// and 5 on 1 (MQA: the heads kernels' passes filled and split).
+struct HeadLayout {
+  std::int64_t n_heads, n_kv_heads;
+};
+constexpr HeadLayout kOtherLayouts[] = {{2, 2}, {5, 1}};
 
 TEST(CodedAttentionTest, Int8AttentionMatchesDoubleOverDecodedRows) {
   for (const std::size_t hs : {16u, 48u, 64u, 128u, 40u})
@@ -885,6 +893,15 @@ TEST(CodedAttentionTest, Int8AttentionMatchesDoubleOverDecodedRows) {
         for (const std::size_t n : {1u, 3u})
           if (n <= end) expect_attention_matches("int8", cfg, s, end, n, ks);
     }
+  for (const HeadLayout hl : kOtherLayouts)
+    for (const std::size_t hs : {16u, 48u})
+      for (const std::size_t end : {64u, 300u}) {
+        const ModelConfig cfg = config_of(hs, 320, hl.n_heads, hl.n_kv_heads);
+        Int8Store<float> s(cfg);
+        fill(cfg, s, end, 37, hs + end);
+        for (const KernelSet ks : supported_sets())
+          for (const std::size_t n : {1u, 3u}) expect_attention_matches("int8", cfg, s, end, n, ks);
+      }
 }
 
 TEST(CodedAttentionTest, LowBitAttentionMatchesDoubleOverDecodedRows) {
@@ -907,6 +924,16 @@ TEST(CodedAttentionTest, LowBitAttentionMatchesDoubleOverDecodedRows) {
             expect_attention_matches("q4", cfg, q4, end, n, ks);
             expect_attention_matches("q2", cfg, q2, end, n, ks);
           }
+      }
+  for (const HeadLayout hl : kOtherLayouts)
+    for (const std::size_t hs : {16u, 48u})
+      for (const bool rotate : {false, true}) {
+        const std::size_t end = 301;
+        const ModelConfig cfg = config_of(hs, 320, hl.n_heads, hl.n_kv_heads);
+        Q4Store<float> q4(cfg, 0, 64, 128, rotate);
+        fill(cfg, q4, end, 37, hs + end);
+        for (const KernelSet ks : supported_sets())
+          for (const std::size_t n : {1u, 3u}) expect_attention_matches("q4", cfg, q4, end, n, ks);
       }
 }
 
