@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "cli.hpp"
+#include "weight_choice.hpp"
 
 #ifndef KVDECODE_DEFAULT_MODEL_DIR  // set by examples/CMakeLists.txt to the repository's models/
 #define KVDECODE_DEFAULT_MODEL_DIR "models"
@@ -48,7 +49,8 @@ constexpr std::string_view kDemo = "demo";
 constexpr const char* kKjvPrompt = "And it came to pass";
 constexpr const char* kStoriesPrompt = "Once upon a time";
 
-enum class WeightType { kStored, kF32, kBf16, kQ8_0, kQ4_0 };
+using cli::AnyWeights;
+using cli::WeightType;
 enum class KvType { kF32, kInt8, kQ4, kQ2, kPaged };
 
 struct Options {
@@ -119,18 +121,7 @@ void declare(CLI::App& app, Options& o) {
                  "beside a checkpoint); must have the checkpoint's vocabulary size. Refused for a "
                  "GGUF file with a gpt2 (byte-level BPE) vocabulary")
       ->group(model);
-  cli::choice(app, "--weights", o.weights,
-              {{"stored", WeightType::kStored},
-               {"f32", WeightType::kF32},
-               {"bf16", WeightType::kBf16},
-               {"q8_0", WeightType::kQ8_0},
-               {"q4_0", WeightType::kQ4_0}},
-              "stored: as the file keeps its layer matrices (a GGUF file's q8_0, q4_0 or bf16 "
-              "blocks as they are; f32 for f32/f16 GGUF files and llama2.c checkpoints); f32; "
-              "bf16: weights rounded to bfloat16, half the bytes a decode step reads; q8_0 / "
-              "q4_0: ggml's blocks of 32 weights (34 / 18 bytes), converted on load unless the "
-              "file stores them so, integer dot products; arithmetic otherwise f32")
-      ->group(model);
+  cli::weights_option(app, o.weights)->group(model);
 
   const char* text = "Text";
   app.add_option("-p,--prompt", o.prompt,
@@ -398,11 +389,6 @@ double ms_since(Clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
 }
 
-/// The weights in the format the model runs on (--weights).
-using AnyWeights =
-    std::variant<kvdecode::Weights<float>, kvdecode::Weights<kvdecode::bf16>,
-                 kvdecode::Weights<kvdecode::Q8_0>, kvdecode::Weights<kvdecode::Q4_0>>;
-
 struct Source {
   std::string name;  // for the report
   AnyWeights weights;
@@ -416,44 +402,6 @@ struct Source {
                       weights);
   }
 };
-
-WeightType weight_type(kvdecode::WeightFormat f) {
-  switch (f) {
-    case kvdecode::WeightFormat::kBf16:
-      return WeightType::kBf16;
-    case kvdecode::WeightFormat::kQ8_0:
-      return WeightType::kQ8_0;
-    case kvdecode::WeightFormat::kQ4_0:
-      return WeightType::kQ4_0;
-    case kvdecode::WeightFormat::kF32:
-      break;
-  }
-  return WeightType::kF32;
-}
-
-/// f32 weights (the demo model) in the format `t`.
-AnyWeights convert_to(kvdecode::Weights<float> w, WeightType t) {
-  using namespace kvdecode;
-  if (t == WeightType::kBf16) return convert_weights<bf16>(w);
-  if (t == WeightType::kQ8_0) return quantize_weights<Q8_0>(w);
-  if (t == WeightType::kQ4_0) return quantize_weights<Q4_0>(w);
-  return w;
-}
-
-/// The model file's weights in the format `t`, each tensor converted only when its stored type
-/// is not t's, and its vocabulary (of either kind) when it holds one.
-AnyWeights load_as(const std::filesystem::path& model, WeightType t,
-                   std::optional<kvdecode::Vocabulary>& vocabulary) {
-  using namespace kvdecode;
-  const auto take = [&](auto loaded) -> AnyWeights {
-    vocabulary = take_vocabulary(loaded);
-    return std::move(loaded.weights);
-  };
-  if (t == WeightType::kBf16) return take(load_model<bf16>(model));
-  if (t == WeightType::kQ8_0) return take(load_model<Q8_0>(model));
-  if (t == WeightType::kQ4_0) return take(load_model<Q4_0>(model));
-  return take(load_model<float>(model));
-}
 
 /// Whether two files hold the same bytes (the bundled KJV model under any name or path).
 bool same_contents(const std::filesystem::path& a, const std::filesystem::path& b) {
@@ -482,7 +430,7 @@ Source load_source(const Options& o) {
     Tokenizer tokenizer = demo_tokenizer(kvdecode::demo_config().vocab_size);
     const WeightType t = o.weights == WeightType::kStored ? WeightType::kF32 : o.weights;
     return {"demo (random weights)",
-            convert_to(kvdecode::demo_weights<float>(), t),
+            cli::convert_to(kvdecode::demo_weights<float>(), t),
             "f32",
             kvdecode::Vocabulary(std::move(tokenizer)),
             kStoriesPrompt,
@@ -490,8 +438,9 @@ Source load_source(const Options& o) {
   }
   const kvdecode::StoredWeights stored = kvdecode::stored_weights(model);
   std::optional<kvdecode::Vocabulary> vocabulary;
-  AnyWeights weights = load_as(
-      model, o.weights == WeightType::kStored ? weight_type(stored.format) : o.weights, vocabulary);
+  AnyWeights weights = cli::load_as(
+      model, o.weights == WeightType::kStored ? cli::weight_type(stored.format) : o.weights,
+      vocabulary);
   const std::int64_t vocab_size =
       std::visit([](const auto& w) { return w.config.vocab_size; }, weights);
   // A tokenizer.bin is SentencePiece with run.c's ids: it may stand in for a GGUF file's own

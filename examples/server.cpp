@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "cli.hpp"
+#include "weight_choice.hpp"
 
 #ifndef KVDECODE_VERSION
 #define KVDECODE_VERSION "unknown"
@@ -49,6 +50,7 @@ using Clock = std::chrono::steady_clock;
 struct Options {
   std::string model;  // "" = the bundled KJV model
   std::string tokenizer;
+  cli::WeightType weights = cli::WeightType::kStored;
   std::string host = "127.0.0.1";
   int port = 8080;
   std::size_t blocks = 1024;
@@ -76,11 +78,12 @@ void declare(CLI::App& app, Options& o) {
       "Exit codes: 0 after SIGINT or SIGTERM, 1 an error (a missing model, a port in use), 2 a "
       "bad command line.");
   app.add_option("-m,--model", o.model,
-                 "llama2.c checkpoint or GGUF file of the llama architecture, its weights run "
-                 "in f32 (default: the bundled models/kjv_tiny.bin)");
+                 "llama2.c checkpoint or GGUF file of the llama architecture (default: the "
+                 "bundled models/kjv_tiny.bin)");
   app.add_option("--tokenizer", o.tokenizer,
                  "tokenizer.bin (default: the GGUF file's vocabulary, or tokenizer.bin beside "
                  "the model); refused for a GGUF file with a gpt2 (byte-level BPE) vocabulary");
+  cli::weights_option(app, o.weights);
   app.add_option("--host", o.host, "address to bind; 0.0.0.0 exposes the server to the network")
       ->capture_default_str();
   app.add_option("--port", o.port, "TCP port; 0 picks a free one (printed)")
@@ -186,6 +189,43 @@ std::string required_string(const json& j, const char* name, const char* where) 
 }
 
 // ---------------------------------------------------------------------------------------------
+// The model and its engine, in the weight format the model runs on (--weights): the rest of the
+// server submits requests, reads metrics, runs the step loop and flushes the prefix tier.
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual std::shared_ptr<kvdecode::RequestStream> submit(kvdecode::RequestOptions request) = 0;
+  virtual kvdecode::EngineMetrics metrics() const = 0;
+  virtual void run(std::stop_token stop) = 0;
+  virtual std::size_t flush_prefix_tier() = 0;
+};
+
+template <class W>
+class BackendOf final : public Backend {
+ public:
+  /// Throws what Engine throws for options the model or the pool refuse.
+  BackendOf(kvdecode::Weights<W> weights, const kvdecode::EngineOptions& options)
+      : model_(std::move(weights)), engine_(model_, options) {}
+  std::shared_ptr<kvdecode::RequestStream> submit(kvdecode::RequestOptions request) override {
+    return engine_.submit(std::move(request));
+  }
+  kvdecode::EngineMetrics metrics() const override { return engine_.metrics(); }
+  void run(std::stop_token stop) override { engine_.run(stop); }
+  std::size_t flush_prefix_tier() override { return engine_.flush_prefix_tier(); }
+
+ private:
+  kvdecode::Model<float, W> model_;
+  kvdecode::Engine<float, W> engine_;
+};
+
+template <class W>
+std::unique_ptr<Backend> make_backend(kvdecode::Weights<W>&& weights,
+                                      const kvdecode::EngineOptions& options) {
+  return std::make_unique<BackendOf<W>>(std::move(weights), options);
+}
+
+// ---------------------------------------------------------------------------------------------
 // The server's state shared by every connection.
 
 struct Server {
@@ -194,9 +234,8 @@ struct Server {
   const Options& o;
   std::string model_name;
   kvdecode::Vocabulary vocabulary;
-  std::unique_ptr<kvdecode::Model<float>> model;
   std::unique_ptr<kvdecode::ThreadPool> threads;
-  std::unique_ptr<kvdecode::Engine<float>> engine;
+  std::unique_ptr<Backend> engine;
   std::vector<std::int32_t> newline_ids;  // every token whose piece holds '\n'
   std::int32_t newline = 0;               // the token of "\n" itself
   std::atomic<std::uint64_t> http_requests{0}, bad_requests{0};
@@ -561,8 +600,12 @@ int run(const Options& o) {
   }
   const fs::path model_path =
       o.model.empty() ? fs::path(KVDECODE_DEFAULT_MODEL_DIR) / "kjv_tiny.bin" : fs::path(o.model);
-  kvdecode::LoadedModel<float> loaded = kvdecode::load_model<float>(model_path);
-  std::optional<kvdecode::Vocabulary> vocabulary = kvdecode::take_vocabulary(loaded);
+  const kvdecode::StoredWeights stored = kvdecode::stored_weights(model_path);
+  const cli::WeightType weights =
+      o.weights == cli::WeightType::kStored ? cli::weight_type(stored.format) : o.weights;
+  std::optional<kvdecode::Vocabulary> vocabulary;
+  cli::AnyWeights loaded = cli::load_as(model_path, weights, vocabulary);
+  const kvdecode::ModelConfig cfg = std::visit([](const auto& w) { return w.config; }, loaded);
   // A tokenizer.bin (run.c's ids) may stand in for a GGUF file's "llama" vocabulary, not for a
   // byte-level BPE one.
   if (vocabulary && vocabulary->kind() == kvdecode::Vocabulary::Kind::kBytePairs &&
@@ -573,11 +616,9 @@ int run(const Options& o) {
   if (!vocabulary || !o.tokenizer.empty()) {
     const fs::path tok_path =
         o.tokenizer.empty() ? model_path.parent_path() / "tokenizer.bin" : fs::path(o.tokenizer);
-    vocabulary.emplace(kvdecode::Tokenizer::load(tok_path, loaded.weights.config.vocab_size));
+    vocabulary.emplace(kvdecode::Tokenizer::load(tok_path, cfg.vocab_size));
   }
   Server s(o, model_path.filename().string(), std::move(*vocabulary));
-  s.model = std::make_unique<kvdecode::Model<float>>(std::move(loaded.weights));
-  const kvdecode::ModelConfig& cfg = s.model->config();
   s.threads = std::make_unique<kvdecode::ThreadPool>(o.threads);
   if (o.step_tokens < o.max_running)
     throw cli::UsageError{"--step-tokens " + std::to_string(o.step_tokens) +
@@ -590,16 +631,17 @@ int run(const Options& o) {
                           " is smaller than one block file of this model (" +
                           std::to_string(block_file) + " bytes at --block-size " +
                           std::to_string(o.block_size) + ")"};
-  s.engine = std::make_unique<kvdecode::Engine<float>>(
-      *s.model, kvdecode::EngineOptions{.n_blocks = o.blocks,
-                                        .block_size = o.block_size,
-                                        .max_running = o.max_running,
-                                        .step_tokens = o.step_tokens,
-                                        .prefix_cache = !o.no_prefix_cache,
-                                        .thread_pool = s.threads.get(),
-                                        .prefix_dir = o.prefix_dir,
-                                        .prefix_max_bytes = o.prefix_max_bytes,
-                                        .sub_passes = !o.no_sub_passes});
+  const kvdecode::EngineOptions engine_options{.n_blocks = o.blocks,
+                                               .block_size = o.block_size,
+                                               .max_running = o.max_running,
+                                               .step_tokens = o.step_tokens,
+                                               .prefix_cache = !o.no_prefix_cache,
+                                               .thread_pool = s.threads.get(),
+                                               .prefix_dir = o.prefix_dir,
+                                               .prefix_max_bytes = o.prefix_max_bytes,
+                                               .sub_passes = !o.no_sub_passes};
+  s.engine =
+      std::visit([&](auto& w) { return make_backend(std::move(w), engine_options); }, loaded);
   for (std::int32_t id = 0; id < cfg.vocab_size; ++id) {
     const std::string_view p = s.vocabulary.decode(0, id);
     if (p.find('\n') != std::string_view::npos) s.newline_ids.push_back(id);
@@ -680,9 +722,10 @@ int run(const Options& o) {
   if (!o.prefix_dir.empty())
     tier = ", prefix dir " + o.prefix_dir + " with " +
            std::to_string(s.engine->metrics().tier.files_on_disk) + " block files";
-  std::printf("listening on http://%s:%d (model %s, %zu blocks of %zu, prefix cache %s%s)\n",
-              o.host.c_str(), port, s.model_name.c_str(), o.blocks, o.block_size,
-              o.no_prefix_cache ? "off" : "on", tier.c_str());
+  std::printf(
+      "listening on http://%s:%d (model %s, weights %s, %zu blocks of %zu, prefix cache %s%s)\n",
+      o.host.c_str(), port, s.model_name.c_str(), cli::weight_name(weights), o.blocks, o.block_size,
+      o.no_prefix_cache ? "off" : "on", tier.c_str());
   std::fflush(stdout);
   http.listen_after_bind();
   listen_ended = true;

@@ -14,8 +14,8 @@ namespace kvdecode::testing_util {
 
 /// The tokens the request generates alone: prompt, sampling, max_tokens and an optional stop
 /// token (-1: none) as the engine's request gives them.
-template <class T>
-std::vector<std::int32_t> alone(const Model<T>& model, const std::vector<std::int32_t>& prompt,
+template <class T, class W>
+std::vector<std::int32_t> alone(const Model<T, W>& model, const std::vector<std::int32_t>& prompt,
                                 const SamplerOptions& sampling, std::size_t max_tokens,
                                 std::int32_t stop_token = -1) {
   const ModelConfig& cfg = model.config();

@@ -27,7 +27,8 @@ namespace {
 
 using Tokens = std::vector<std::int32_t>;
 
-void run_to_completion(Engine<double>& engine) {
+template <class T, class W>
+void run_to_completion(Engine<T, W>& engine) {
   for (int i = 0; i < 100000 && engine.step(); ++i) {
   }
 }
@@ -68,13 +69,14 @@ std::vector<Planned> random_requests(std::size_t n, std::uint64_t seed, std::int
   return out;
 }
 
-void expect_random_arrivals_match_alone(std::uint64_t seed, bool sampled) {
-  const ModelConfig cfg = engine_config();
-  const Model<double> model(random_weights<double>(cfg, 77));
+template <class T, class W>
+void expect_random_arrivals_match_alone(const Model<T, W>& model, std::uint64_t seed,
+                                        bool sampled) {
+  const ModelConfig& cfg = model.config();
   // 20 blocks of 4: one request needs at most ceil((45 + 29) / 4) = 19, several at once run
   // out mid-generation.
-  Engine<double> engine(model,
-                        {.n_blocks = 20, .block_size = 4, .max_running = 6, .step_tokens = 16});
+  Engine<T, W> engine(model,
+                      {.n_blocks = 20, .block_size = 4, .max_running = 6, .step_tokens = 16});
   std::vector<Planned> requests = random_requests(24, seed, cfg.vocab_size, sampled);
   for (std::size_t step = 0; step < 100000; ++step) {
     for (Planned& p : requests)
@@ -101,11 +103,25 @@ void expect_random_arrivals_match_alone(std::uint64_t seed, bool sampled) {
 }
 
 TEST(EngineTest, RandomArrivalsMatchEachRequestAloneGreedy) {
-  for (std::uint64_t seed : {1, 2, 3}) expect_random_arrivals_match_alone(seed, false);
+  const Model<double> model(random_weights<double>(engine_config(), 77));
+  for (std::uint64_t seed : {1, 2, 3}) expect_random_arrivals_match_alone(model, seed, false);
 }
 
 TEST(EngineTest, RandomArrivalsMatchEachRequestAloneSampled) {
-  for (std::uint64_t seed : {4, 5}) expect_random_arrivals_match_alone(seed, true);
+  const Model<double> model(random_weights<double>(engine_config(), 77));
+  for (std::uint64_t seed : {4, 5}) expect_random_arrivals_match_alone(model, seed, true);
+}
+
+// The same in f32 with weights in each format a model file or the server's --weights gives:
+// bf16, and ggml's q8_0 and q4_0 blocks (integer dot products), against the request alone on
+// the same weights.
+TEST(EngineTest, RandomArrivalsMatchEachRequestAloneOnEveryWeightFormat) {
+  const Weights<float> f32 = random_weights<float>(engine_config(), 78);
+  expect_random_arrivals_match_alone(Model<float>(random_weights<float>(engine_config(), 78)), 6,
+                                     true);
+  expect_random_arrivals_match_alone(Model<float, bf16>(convert_weights<bf16>(f32)), 7, true);
+  expect_random_arrivals_match_alone(Model<float, Q8_0>(quantize_weights<Q8_0>(f32)), 8, true);
+  expect_random_arrivals_match_alone(Model<float, Q4_0>(quantize_weights<Q4_0>(f32)), 9, true);
 }
 
 TEST(EngineTest, PreemptedRequestResumesWithNothingLost) {

@@ -4,10 +4,12 @@ and by curl: health, completions (whole and streamed), a second chat turn that p
 what is new, concurrent clients, a client that disconnects mid-stream (its blocks are freed),
 malformed requests; a server restarted on the same --prefix-dir that loads a prompt's blocks
 from disk (and skips a corrupt file); bad --prefix-* values; with --gpt2-model, a GGUF model of
-GPT-2's byte-level BPE vocabulary. The server picks a free port (--port 0) and prints it; every
-wait is bounded.
+GPT-2's byte-level BPE vocabulary; with --gguf-model and --generate, a GGUF model of q4_0 blocks
+served in each weight format (--weights) with the generator's greedy text. The server picks a
+free port (--port 0) and prints it; every wait is bounded.
 
-usage: server_test.py SERVER_BINARY [--gpt2-model FILE] [unittest arguments, e.g. a class]
+usage: server_test.py SERVER_BINARY [--gpt2-model FILE] [--gguf-model FILE --generate BINARY]
+                      [unittest arguments, e.g. a class]
 """
 import http.client
 import json
@@ -25,6 +27,8 @@ import unittest
 BINARY = None
 SERVER = None
 GPT2_MODEL = None  # --gpt2-model: a llama model with GPT-2's vocabulary (tests/CMakeLists.txt)
+GGUF_MODEL = None  # --gguf-model: the bundled model's q4_0 GGUF file
+GENERATE = None  # --generate: the generator, the lone run a served completion must equal
 BLOCK = 16
 MAX_BODY = 65536
 TIMEOUT = 30  # seconds, for any one HTTP exchange
@@ -472,11 +476,49 @@ class Gpt2VocabularyTest(unittest.TestCase):
             "(byte-level BPE) vocabulary of its own; drop --tokenizer" % GPT2_MODEL), out.stderr)
 
 
+@unittest.skipIf(GGUF_MODEL is None and "--gguf-model" not in sys.argv,
+                 "no --gguf-model (ctest runs it as server_http_weight_formats)")
+class WeightFormatsTest(unittest.TestCase):
+    """The bundled model's q4_0 GGUF file served as stored (q4_0) and converted on load (q8_0,
+    bf16, f32): the listening line names the format, and a greedy completion is the text the
+    generator writes alone with the same file and --weights (another program, no engine)."""
+
+    PROMPT = "And it came to pass"
+    TOKENS = 24
+
+    def expect_generator_text(self, weights, named):
+        server = Server(BINARY, ["-m", GGUF_MODEL] + (["--weights", weights] if weights else []))
+        try:
+            self.assertIn(", weights %s," % named, server.first_line)
+            body = {"prompt": self.PROMPT, "max_tokens": self.TOKENS, "temperature": 0}
+            status, answer = post("/v1/completions", body, server=server)
+        finally:
+            self.assertEqual(server.stop(), 0)
+        self.assertEqual(status, 200, answer)
+        self.assertEqual(answer["usage"]["completion_tokens"], self.TOKENS)
+        alone = subprocess.run(
+            [GENERATE, "-m", GGUF_MODEL, "--weights", weights or "stored", "-p", self.PROMPT,
+             "-n", str(self.TOKENS), "--temperature", "0"],
+            capture_output=True, text=True, timeout=TIMEOUT)
+        self.assertEqual(alone.returncode, 0, alone.stderr)
+        self.assertEqual(self.PROMPT + answer["choices"][0]["text"], alone.stdout.rstrip("\n"))
+
+    def test_stored_q4_0(self):
+        self.expect_generator_text(None, "q4_0")
+
+    def test_converted_on_load(self):
+        for weights in ("q8_0", "bf16", "f32"):
+            with self.subTest(weights=weights):
+                self.expect_generator_text(weights, weights)
+
+
 if __name__ == "__main__":
     BINARY = sys.argv.pop(1)
-    if len(sys.argv) > 2 and sys.argv[1] == "--gpt2-model":
-        GPT2_MODEL = sys.argv[2]
-        del sys.argv[1:3]
+    for flag in ("--gpt2-model", "--gguf-model", "--generate"):
+        if flag in sys.argv:
+            i = sys.argv.index(flag)
+            globals()[flag[2:].replace("-", "_").upper()] = sys.argv[i + 1]
+            del sys.argv[i:i + 2]
     SERVER = Server(BINARY)
     try:
         result = unittest.main(exit=False, verbosity=2).result
