@@ -88,6 +88,8 @@ struct Options {
   std::string draft;          // --draft FILE: a draft checkpoint ("demo": the demo model)
   std::size_t draft_k = 4;    // --draft-k
   bool draft_k_given = false;
+  WeightType draft_weights = WeightType::kStored;  // --draft-weights
+  bool draft_weights_given = false;
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -256,9 +258,10 @@ void declare(CLI::App& app, Options& o) {
       ->group(spec);
   app.add_option("--draft", o.draft,
                  "a smaller model with the target's vocabulary (a llama2.c checkpoint or a GGUF "
-                 "file of any weight type) drafts the tokens (in f32, on its own cache); "
-                 "\"demo\": the demo model")
+                 "file of any weight type) drafts the tokens (on its own f32 cache, its weights "
+                 "as --draft-weights says); \"demo\": the demo model")
       ->group(spec);
+  cli::weights_option(app, o.draft_weights, "--draft-weights")->group(spec);
   app.add_option("--draft-k", o.draft_k, "tokens --draft proposes per pass")
       ->check(number<std::size_t>(1, kvdecode::kMaxSpeculativeDraft))
       ->capture_default_str()
@@ -329,6 +332,7 @@ void check(const Options& o) {
   if (o.speculate > 0 && !o.draft.empty())
     throw UsageError{"--speculate lookup and --draft both choose the drafter; pass one"};
   if (o.draft_k_given && o.draft.empty()) throw UsageError{"--draft-k needs --draft"};
+  if (o.draft_weights_given && o.draft.empty()) throw UsageError{"--draft-weights needs --draft"};
   if (speculating && o.no_cache)
     throw UsageError{
         "--speculate and --draft verify proposals against the KV cache; they "
@@ -541,8 +545,8 @@ struct Run {
   std::vector<std::int32_t> prompt;  // BOS when the vocabulary adds one, the prompt's tokens
   std::uint64_t seed = 0;
   Clock::time_point start;
-  const kvdecode::Model<float>* draft = nullptr;  // --draft's model, else none
-  std::string draft_name;                         // for the report
+  const cli::AnyModel* draft = nullptr;  // --draft's model, else none
+  std::string draft_name;                // for the report
 };
 
 /// The speculation the flags ask for, handed to f(const kvdecode::Speculation&): none, prompt
@@ -555,12 +559,15 @@ int with_speculation(const Run& run, std::size_t ctx, std::size_t chunk, kvdecod
   const Options& o = run.o;
   if (o.speculate > 0) return f(Speculation::prompt_lookup(o.speculate));
   if (run.draft == nullptr) return f(Speculation{});
-  const ModelConfig& dc = run.draft->config();
-  ContiguousStore<float> store(dc, std::min(ctx, static_cast<std::size_t>(dc.seq_len)));
-  Activations<float> act(dc, {.max_chunk = chunk, .thread_pool = &pool});
-  DraftModelDrafter<float, float, ContiguousStore<float>> drafter(*run.draft, store, act,
-                                                                  o.draft_k);
-  return f(Speculation::with_drafter(drafter, o.draft_k));
+  return std::visit(
+      [&]<class W>(const Model<float, W>& draft) {
+        const ModelConfig& dc = draft.config();
+        ContiguousStore<float> store(dc, std::min(ctx, static_cast<std::size_t>(dc.seq_len)));
+        Activations<float> act(dc, {.max_chunk = chunk, .thread_pool = &pool});
+        DraftModelDrafter<float, W, ContiguousStore<float>> drafter(draft, store, act, o.draft_k);
+        return f(Speculation::with_drafter(drafter, o.draft_k));
+      },
+      *run.draft);
 }
 
 /// Restores a saved prompt prefix, runs kvdecode::generate() (saving the cache once the prompt
@@ -770,9 +777,7 @@ int generate_with(const Run& run, const kvdecode::Model<float, W>& model, S& cac
   if (speculating) {
     const std::string drafter = speculation.kind == Speculation::Kind::kPromptLookup
                                     ? "prompt lookup"
-                                    : "draft model " + run.draft_name + " (dim " +
-                                          std::to_string(run.draft->config().dim) + ", " +
-                                          std::to_string(run.draft->config().n_layers) + " layers)";
+                                    : "draft model " + run.draft_name;
     std::fprintf(out,
                  "speculation        %s, k %zu: %zu drafted, %zu accepted (acceptance %.2f), %zu "
                  "target passes, %.2f tokens per pass, drafting %.2f ms\n",
@@ -940,27 +945,34 @@ int run(const Options& o) {
   r.seed = o.seed > 0 ? static_cast<std::uint64_t>(o.seed)
                       : (std::uint64_t{std::random_device{}()} << 32 | std::random_device{}()) | 1;
   // The draft model, checked against the target's vocabulary before anything runs.
-  std::optional<Model<float>> draft;
+  std::optional<cli::AnyModel> draft;
   if (!o.draft.empty()) {
-    Weights<float> dw;
+    cli::AnyWeights dw;
+    WeightType dt = o.draft_weights;
     if (o.draft == kDemo) {
-      dw = demo_weights<float>();
+      if (dt == WeightType::kStored) dt = WeightType::kF32;
+      dw = cli::convert_to(demo_weights<float>(), dt);
     } else {
       try {
-        dw = load_model<float>(o.draft).weights;  // either format, any stored type, run in f32
+        if (dt == WeightType::kStored) dt = cli::weight_type(stored_weights(o.draft).format);
+        std::optional<Vocabulary> unused;  // a draft shares the target's vocabulary
+        dw = cli::load_as(o.draft, dt, unused);
       } catch (const Error& e) {
         std::string message = e.what();  // "kvdecode: <what> [file:line]", kept for --verbose
         if (message.starts_with("kvdecode: ")) message.erase(0, 10);
         throw Error("kvdecode: --draft: " + message);
       }
     }
-    if (dw.config.vocab_size != src.config().vocab_size)
+    const ModelConfig dc = std::visit([](const auto& w) { return w.config; }, dw);
+    if (dc.vocab_size != src.config().vocab_size)
       throw Error("--draft: the draft model '" + o.draft + "' has vocab_size " +
-                  std::to_string(dw.config.vocab_size) + " but the model '" + src.name +
+                  std::to_string(dc.vocab_size) + " but the model '" + src.name +
                   "' has vocab_size " + std::to_string(src.config().vocab_size) +
                   "; a draft must share the target's vocabulary");
-    r.draft_name = o.draft;
-    r.draft = &draft.emplace(std::move(dw));
+    r.draft_name = o.draft + " (dim " + std::to_string(dc.dim) + ", " +
+                   std::to_string(dc.n_layers) + " layers, weights " + cli::weight_name(dt) + ")";
+    cli::emplace_model(draft, std::move(dw));
+    r.draft = &*draft;
   }
   ThreadPool pool(o.threads);
   // No SA_RESTART: a Ctrl-C while the chat waits for a line ends the wait too.
@@ -987,6 +999,7 @@ int main(int argc, char** argv) {
   return cli::run_main(app, argc, argv, o.verbose, [&] {
     o.n_given = app.get_option("-n")->count() > 0;
     o.draft_k_given = app.get_option("--draft-k")->count() > 0;
+    o.draft_weights_given = app.get_option("--draft-weights")->count() > 0;
     return run(o);
   });
 }

@@ -15,9 +15,10 @@ namespace cli {
 
 enum class WeightType { kStored, kF32, kBf16, kQ8_0, kQ4_0 };
 
-/// --weights, into `target` (default: as the file stores its matrices).
-inline CLI::Option* weights_option(CLI::App& app, WeightType& target) {
-  return choice(app, "--weights", target,
+/// --weights (or the flag `names`), into `target` (default: as the file stores its matrices).
+inline CLI::Option* weights_option(CLI::App& app, WeightType& target,
+                                   const std::string& names = "--weights") {
+  return choice(app, names, target,
                 {{"stored", WeightType::kStored},
                  {"f32", WeightType::kF32},
                  {"bf16", WeightType::kBf16},
@@ -34,6 +35,20 @@ inline CLI::Option* weights_option(CLI::App& app, WeightType& target) {
 using AnyWeights =
     std::variant<kvdecode::Weights<float>, kvdecode::Weights<kvdecode::bf16>,
                  kvdecode::Weights<kvdecode::Q8_0>, kvdecode::Weights<kvdecode::Q4_0>>;
+
+/// A model of f32 activations on any of those weights.
+using AnyModel =
+    std::variant<kvdecode::Model<float>, kvdecode::Model<float, kvdecode::bf16>,
+                 kvdecode::Model<float, kvdecode::Q8_0>, kvdecode::Model<float, kvdecode::Q4_0>>;
+
+/// The model of `weights`, built in place in `model`.
+inline void emplace_model(std::optional<AnyModel>& model, AnyWeights&& weights) {
+  std::visit(
+      [&]<class W>(kvdecode::Weights<W>& w) {
+        model.emplace(std::in_place_type<kvdecode::Model<float, W>>, std::move(w));
+      },
+      weights);
+}
 
 /// The --weights value that keeps a file's stored format.
 inline WeightType weight_type(kvdecode::WeightFormat f) {
