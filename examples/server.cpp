@@ -233,6 +233,7 @@ struct Server {
       : o(options), model_name(std::move(name)), vocabulary(std::move(vocab)) {}
   const Options& o;
   std::string model_name;
+  const char* weights = "f32";  // the format the model runs in (--weights, resolved)
   kvdecode::Vocabulary vocabulary;
   std::unique_ptr<kvdecode::ThreadPool> threads;
   std::unique_ptr<Backend> engine;
@@ -523,7 +524,9 @@ json metrics_json(Server& s) {
                 {"p99_ms", h.percentile_ms(0.99)},
                 {"max_ms", h.max_ms()}};
   };
-  return {{"queued", m.queued},
+  return {{"model", s.model_name},
+          {"weights", s.weights},
+          {"queued", m.queued},
           {"running", m.running},
           {"blocks_total", m.blocks_total},
           {"blocks_held", m.blocks_held},
@@ -619,6 +622,7 @@ int run(const Options& o) {
     vocabulary.emplace(kvdecode::Tokenizer::load(tok_path, cfg.vocab_size));
   }
   Server s(o, model_path.filename().string(), std::move(*vocabulary));
+  s.weights = cli::weight_name(weights);
   s.threads = std::make_unique<kvdecode::ThreadPool>(o.threads);
   if (o.step_tokens < o.max_running)
     throw cli::UsageError{"--step-tokens " + std::to_string(o.step_tokens) +
@@ -724,7 +728,7 @@ int run(const Options& o) {
            std::to_string(s.engine->metrics().tier.files_on_disk) + " block files";
   std::printf(
       "listening on http://%s:%d (model %s, weights %s, %zu blocks of %zu, prefix cache %s%s)\n",
-      o.host.c_str(), port, s.model_name.c_str(), cli::weight_name(weights), o.blocks, o.block_size,
+      o.host.c_str(), port, s.model_name.c_str(), s.weights, o.blocks, o.block_size,
       o.no_prefix_cache ? "off" : "on", tier.c_str());
   std::fflush(stdout);
   http.listen_after_bind();

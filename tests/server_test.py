@@ -480,8 +480,9 @@ class Gpt2VocabularyTest(unittest.TestCase):
                  "no --gguf-model (ctest runs it as server_http_weight_formats)")
 class WeightFormatsTest(unittest.TestCase):
     """The bundled model's q4_0 GGUF file served as stored (q4_0) and converted on load (q8_0,
-    bf16, f32): the listening line names the format, and a greedy completion is the text the
-    generator writes alone with the same file and --weights (another program, no engine)."""
+    bf16, f32): the listening line and /metrics name the format, and a greedy completion is the
+    text the generator writes alone with the same file and --weights (another program, no
+    engine)."""
 
     PROMPT = "And it came to pass"
     TOKENS = 24
@@ -490,6 +491,7 @@ class WeightFormatsTest(unittest.TestCase):
         server = Server(BINARY, ["-m", GGUF_MODEL] + (["--weights", weights] if weights else []))
         try:
             self.assertIn(", weights %s," % named, server.first_line)
+            self.assertEqual(metrics(server)["weights"], named)
             body = {"prompt": self.PROMPT, "max_tokens": self.TOKENS, "temperature": 0}
             status, answer = post("/v1/completions", body, server=server)
         finally:
