@@ -432,9 +432,8 @@ Source load_source(const Options& o) {
   }
   if (model == kDemo) {
     Tokenizer tokenizer = demo_tokenizer(kvdecode::demo_config().vocab_size);
-    const WeightType t = o.weights == WeightType::kStored ? WeightType::kF32 : o.weights;
     return {"demo (random weights)",
-            cli::convert_to(kvdecode::demo_weights<float>(), t),
+            cli::convert_to(kvdecode::demo_weights<float>(), o.weights),
             "f32",
             kvdecode::Vocabulary(std::move(tokenizer)),
             kStoriesPrompt,
@@ -948,15 +947,12 @@ int run(const Options& o) {
   std::optional<cli::AnyModel> draft;
   if (!o.draft.empty()) {
     cli::AnyWeights dw;
-    WeightType dt = o.draft_weights;
     if (o.draft == kDemo) {
-      if (dt == WeightType::kStored) dt = WeightType::kF32;
-      dw = cli::convert_to(demo_weights<float>(), dt);
+      dw = cli::convert_to(demo_weights<float>(), o.draft_weights);
     } else {
       try {
-        if (dt == WeightType::kStored) dt = cli::weight_type(stored_weights(o.draft).format);
         std::optional<Vocabulary> unused;  // a draft shares the target's vocabulary
-        dw = cli::load_as(o.draft, dt, unused);
+        dw = cli::load_as(o.draft, o.draft_weights, unused);
       } catch (const Error& e) {
         std::string message = e.what();  // "kvdecode: <what> [file:line]", kept for --verbose
         if (message.starts_with("kvdecode: ")) message.erase(0, 10);
@@ -970,7 +966,7 @@ int run(const Options& o) {
                   "' has vocab_size " + std::to_string(src.config().vocab_size) +
                   "; a draft must share the target's vocabulary");
     r.draft_name = o.draft + " (dim " + std::to_string(dc.dim) + ", " +
-                   std::to_string(dc.n_layers) + " layers, weights " + cli::weight_name(dt) + ")";
+                   std::to_string(dc.n_layers) + " layers, weights " + cli::weight_name(dw) + ")";
     cli::emplace_model(draft, std::move(dw));
     r.draft = &*draft;
   }

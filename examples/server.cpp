@@ -603,11 +603,8 @@ int run(const Options& o) {
   }
   const fs::path model_path =
       o.model.empty() ? fs::path(KVDECODE_DEFAULT_MODEL_DIR) / "kjv_tiny.bin" : fs::path(o.model);
-  const kvdecode::StoredWeights stored = kvdecode::stored_weights(model_path);
-  const cli::WeightType weights =
-      o.weights == cli::WeightType::kStored ? cli::weight_type(stored.format) : o.weights;
   std::optional<kvdecode::Vocabulary> vocabulary;
-  cli::AnyWeights loaded = cli::load_as(model_path, weights, vocabulary);
+  cli::AnyWeights loaded = cli::load_as(model_path, o.weights, vocabulary);
   const kvdecode::ModelConfig cfg = std::visit([](const auto& w) { return w.config; }, loaded);
   // A tokenizer.bin (run.c's ids) may stand in for a GGUF file's "llama" vocabulary, not for a
   // byte-level BPE one.
@@ -622,7 +619,7 @@ int run(const Options& o) {
     vocabulary.emplace(kvdecode::Tokenizer::load(tok_path, cfg.vocab_size));
   }
   Server s(o, model_path.filename().string(), std::move(*vocabulary));
-  s.weights = cli::weight_name(weights);
+  s.weights = cli::weight_name(loaded);
   s.threads = std::make_unique<kvdecode::ThreadPool>(o.threads);
   if (o.step_tokens < o.max_running)
     throw cli::UsageError{"--step-tokens " + std::to_string(o.step_tokens) +

@@ -7,7 +7,9 @@
 #include <kvdecode/kvdecode.hpp>
 #include <optional>
 #include <string>
+#include <utility>
 #include <variant>
+#include <vector>
 
 #include "cli.hpp"
 
@@ -15,15 +17,21 @@ namespace cli {
 
 enum class WeightType { kStored, kF32, kBf16, kQ8_0, kQ4_0 };
 
+/// --weights' values and their names.
+inline const std::vector<std::pair<std::string, WeightType>>& weight_choices() {
+  static const std::vector<std::pair<std::string, WeightType>> choices = {
+      {"stored", WeightType::kStored},
+      {"f32", WeightType::kF32},
+      {"bf16", WeightType::kBf16},
+      {"q8_0", WeightType::kQ8_0},
+      {"q4_0", WeightType::kQ4_0}};
+  return choices;
+}
+
 /// --weights (or the flag `names`), into `target` (default: as the file stores its matrices).
 inline CLI::Option* weights_option(CLI::App& app, WeightType& target,
                                    const std::string& names = "--weights") {
-  return choice(app, names, target,
-                {{"stored", WeightType::kStored},
-                 {"f32", WeightType::kF32},
-                 {"bf16", WeightType::kBf16},
-                 {"q8_0", WeightType::kQ8_0},
-                 {"q4_0", WeightType::kQ4_0}},
+  return choice(app, names, target, weight_choices(),
                 "stored: as the file keeps its layer matrices (a GGUF file's q8_0, q4_0 or bf16 "
                 "blocks as they are; f32 for f32/f16 GGUF files and llama2.c checkpoints); f32; "
                 "bf16: weights rounded to bfloat16, half the bytes a decode step reads; q8_0 / "
@@ -65,20 +73,15 @@ inline WeightType weight_type(kvdecode::WeightFormat f) {
   return WeightType::kF32;
 }
 
-/// The name --weights gives format t (kStored resolved).
-inline const char* weight_name(WeightType t) {
-  switch (t) {
-    case WeightType::kBf16:
-      return "bf16";
-    case WeightType::kQ8_0:
-      return "q8_0";
-    case WeightType::kQ4_0:
-      return "q4_0";
-    case WeightType::kStored:
-    case WeightType::kF32:
-      break;
-  }
-  return "f32";
+/// The --weights name of the format `weights` holds.
+inline const char* weight_name(const AnyWeights& weights) {
+  // AnyWeights' alternatives, in order.
+  constexpr WeightType kHeld[] = {WeightType::kF32, WeightType::kBf16, WeightType::kQ8_0,
+                                  WeightType::kQ4_0};
+  static_assert(std::size(kHeld) == std::variant_size_v<AnyWeights>);
+  for (const auto& [name, t] : weight_choices())
+    if (t == kHeld[weights.index()]) return name.c_str();
+  return "?";  // every alternative is named above
 }
 
 /// f32 weights (the demo model) in the format `t` (kStored: f32).
