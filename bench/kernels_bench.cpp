@@ -245,19 +245,22 @@ void BM_GemmFewBf16(benchmark::State& state) {
       flops * static_cast<double>(state.iterations()) * 1e-9, benchmark::Counter::kIsRate);
 }
 
-/// A batched step's projection, one thread, the active set: range(0) tokens through gemm_few
-/// (range(1) = 0, each output summed as the GEMV), gemm_lanes without a panel (1, the weight-lane
-/// tiles) or with the thread's panel (2: f32 on AVX-512 from kTokenLanesMin tokens, the
-/// token-lane tiles), on a 512 × 512 block that stays in L2 (range(2) = 0) or the 15M
-/// classifier, 32000 × 288 (37 MB, streamed from memory; 1).
+/// A batched step's projection, one thread, the active set, f32 or bf16 weights: range(0)
+/// tokens through gemm_few (range(1) = 0, each output summed as the GEMV), gemm_lanes without a
+/// panel (1, the weight-lane tiles) or with the thread's panel (2: the token-lane tiles, f32 on
+/// AVX-512 from kTokenLanesMin tokens, bf16 in avx512bf16 from kTokenPairLanesMin), on a
+/// 512 × 512 block that stays in L2 (range(2) = 0) or the 15M classifier, 32000 × 288 (37 MB
+/// in f32, streamed from memory; 1).
+template <class W>
 void BM_FewTokens(benchmark::State& state) {
   const auto n = static_cast<std::size_t>(state.range(0));
   const bool lanes = state.range(1) >= 1;
   const bool with_panel = state.range(1) == 2;
   const std::size_t out = state.range(2) == 0 ? 512 : 32000;
   const std::size_t in = state.range(2) == 0 ? 512 : 288;
-  const AlignedBuffer<float> w = random_buffer<float>(out * in, 5);
-  const AlignedBuffer<float> x = random_buffer<float>(n * in, 6);
+  const AlignedBuffer<W> w = random_buffer<W>(out * in, 5);
+  AlignedBuffer<float> x = random_buffer<float>(n * in, 6);  // [n][in], rounded for bf16 weights
+  if constexpr (std::is_same_v<W, bf16>) detail::round_to_bf16(x.data(), x.data(), n * in);
   AlignedBuffer<float> y(n * out);
   AlignedBuffer<float> panel(detail::kPanelRows * in);  // [kPanelRows][in] the thread's scratch
   const KernelSet ks = active_kernel_set();
@@ -348,8 +351,13 @@ BENCHMARK(BM_StreamedProjection)
     ->Arg(1)
     ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_FewTokens)
+BENCHMARK_TEMPLATE(BM_FewTokens, float)
     ->ArgsProduct({{2, 4, 16}, {0, 1, 2}, {0, 1}})
+    ->ArgNames({"n", "lanes", "classifier"})
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK_TEMPLATE(BM_FewTokens, bf16)
+    ->ArgsProduct({{2, 4, 12, 13, 16}, {0, 1, 2}, {0, 1}})
     ->ArgNames({"n", "lanes", "classifier"})
     ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);

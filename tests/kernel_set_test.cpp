@@ -130,7 +130,8 @@ TEST_P(ModelKernelSetTest, Bf16ChunkingAgreesWithinF32BoundAwayFromRoundingTies)
 
 // A batched decode step (2..16 sequences) sums each product in lanes (gemm_lanes), one fma chain
 // per output whatever the batch, and runs each sequence's own attention: with bf16 weights a
-// sequence's logits are the same bit for bit in any batch, whatever the rounding ties. Against
+// sequence's logits are the same bit for bit in any batch (16 take the token-lane tiles where
+// the set has them, fewer the weight-lane ones), whatever the rounding ties. Against
 // decode() (the GEMV's order) they differ in f32 summation order only, so as in the chunking test
 // above they must stay within half of what keeping x in f32 moves them (relative RMS).
 TEST_P(ModelKernelSetTest, Bf16BatchedDecodeIsBatchIndependentAndFollowsTheRule) {
@@ -138,13 +139,16 @@ TEST_P(ModelKernelSetTest, Bf16BatchedDecodeIsBatchIndependentAndFollowsTheRule)
   const Model<float, bf16> model(convert_weights<bf16>(random_weights<float>(cfg, 77)));
   const Model<float> widened(convert_weights<float>(model.weights()));
   const auto vocab = static_cast<std::size_t>(cfg.vocab_size);
-  // Sequence 0 rides with sequences 1 and 2 in `three`, with sequence 3 in `two` (its twin).
-  std::vector<ContiguousStore<float>> three, two, singles, wide;
-  Activations<float> one(cfg, {.max_chunk = 1}), batch(cfg, {.max_chunk = 1, .max_batch = 3});
+  // Sequence 0 rides with sequences 1 and 2 in `three`, with sequence 3 in `two` (its twin), and
+  // with sequences 3..17 in `sixteen`.
+  constexpr std::size_t kMany = detail::kMaxFewTokens;
+  static_assert(kMany >= detail::kTokenPairLanesMin);
+  std::vector<ContiguousStore<float>> three, two, sixteen, singles, wide;
+  Activations<float> one(cfg, {.max_chunk = 1}), batch(cfg, {.max_chunk = 1, .max_batch = kMany});
   Activations<float> prompt_act(cfg, {.max_chunk = 8});
   std::vector<Tokens> prompts;
-  for (std::size_t b = 0; b < 4; ++b)
-    prompts.push_back(random_tokens(3 + 2 * b, cfg.vocab_size, 40 + b));
+  for (std::size_t b = 0; b < kMany + 2; ++b)
+    prompts.push_back(random_tokens(3 + 2 * (b % 4), cfg.vocab_size, 40 + b));
   for (std::size_t b = 0; b < 3; ++b) {
     three.emplace_back(cfg);
     singles.emplace_back(cfg);
@@ -157,19 +161,29 @@ TEST_P(ModelKernelSetTest, Bf16BatchedDecodeIsBatchIndependentAndFollowsTheRule)
     two.emplace_back(cfg);
     model.prefill(prompts[b], two.back(), prompt_act);
   }
+  sixteen.reserve(kMany);
+  for (std::size_t b = 0; b < kMany; ++b) {
+    sixteen.emplace_back(cfg);
+    model.prefill(prompts[b == 0 ? 0 : b + 2], sixteen.back(), prompt_act);
+  }
   std::vector<ContiguousStore<float>*> ptrs3 = {&three[0], &three[1], &three[2]};
   std::vector<ContiguousStore<float>*> ptrs2 = {&two[0], &two[1]};
+  std::vector<ContiguousStore<float>*> ptrs16;
+  for (auto& s : sixteen) ptrs16.push_back(&s);
   for (std::size_t step = 0; step < 4; ++step) {
-    const Tokens next = random_tokens(3, cfg.vocab_size, 100 + step);
+    const Tokens next = random_tokens(kMany, cfg.vocab_size, 100 + step);
     const auto run = [&](std::vector<ContiguousStore<float>*>& ptrs, const Tokens& t) {
       const auto l = model.decode_batch(std::span<const std::int32_t>(t),
                                         std::span<ContiguousStore<float>* const>(ptrs), batch);
       return std::vector<float>(l.begin(), l.end());
     };
-    const std::vector<float> batched = run(ptrs3, next);
+    const std::vector<float> batched = run(ptrs3, Tokens(next.begin(), next.begin() + 3));
     const std::vector<float> pair = run(ptrs2, Tokens{next[0], next[2]});
-    for (std::size_t i = 0; i < vocab; ++i)
+    const std::vector<float> many = run(ptrs16, next);
+    for (std::size_t i = 0; i < vocab; ++i) {
       ASSERT_EQ(batched[i], pair[i]) << "step " << step << " logit " << i;
+      ASSERT_EQ(many[i], pair[i]) << "step " << step << " logit " << i << " in a batch of 16";
+    }
     for (std::size_t b = 0; b < 3; ++b) {
       const auto s = model.decode(next[b], singles[b], one);
       const std::vector<float> single(s.begin(), s.end());

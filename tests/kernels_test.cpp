@@ -214,8 +214,10 @@ float fma_chain(const W* w, const float* x, std::size_t cols) {
 /// depend on its batch); with a lane kernel and without vdpbf16ps (whose pair sums have their
 /// own order) also to fma_chain, the order the header promises. Rows 1..97 cover tiles of 64,
 /// 32 and 16 rows and their tails; columns past 256 cover several transposed chunks. With a
-/// panel, f32 weights on AVX-512 take the token-lane tiles from kTokenLanesMin tokens (the token
-/// run alone, without a panel, takes the weight-lane tiles: the two agree bit for bit).
+/// panel, f32 weights on AVX-512 take the token-lane tiles from kTokenLanesMin tokens and bf16
+/// weights in avx512bf16 from kTokenPairLanesMin (the token run alone, without a panel, takes the
+/// weight-lane tiles: the two agree bit for bit); odd column counts take the bf16 token tiles'
+/// lone last column.
 template <class W>
 void check_gemm_lanes(KernelSet ks, bool with_panel) {
   const bool chain = detail::has_gemm_lanes<float, W>(ks) &&

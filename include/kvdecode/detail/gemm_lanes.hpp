@@ -11,10 +11,11 @@
 // at transposition, the same chain; with AVX512_BF16 vdpbf16ps adds the products pair by pair.
 // Choice: Model's batched entry points use it for 2..16 rows (linear.hpp FewTokenOrder::kLanes),
 // trading bit-equality with decode() (B = 1 stays the GEMV) for speed and batch independence.
-// From kTokenLanesMin tokens, f32 weights on AVX-512 turn the tile around: the tokens fill the
-// lanes (x transposed once into the thread's panel) and each weight is broadcast from memory
-// into its row's fma, so the weights stream in their own order with no transposes, the same
-// chain per output.
+// From kTokenLanesMin tokens, f32 weights on AVX-512 (bf16 weights with AVX512_BF16 from
+// kTokenPairLanesMin) turn the tile around: the tokens fill the lanes (x transposed once into
+// the thread's panel; for bf16, as pairs) and each weight (pair) is broadcast from memory into
+// its row's fma (vdpbf16ps), so the weights stream in their own order with no transposes, the
+// same sums per output.
 #pragma once
 
 #include <algorithm>
@@ -38,9 +39,14 @@ inline constexpr std::size_t kLaneRows = 16;
 /// so it stays in L1 while every token of the batch reads it.
 inline constexpr std::size_t kLaneChunk = 256;
 
-/// Tokens from which f32 weights on AVX-512 run with the tokens in lanes (gemm_tokens_avx512):
+/// Tokens from which f32 weights on AVX-512 run with the tokens in lanes (tokens_tile_avx512):
 /// below it most of each fma's 16 lanes would be padding.
 inline constexpr std::size_t kTokenLanesMin = 4;
+
+/// The same for bf16 weights with AVX512_BF16 (tokens_tile_dpbf16): a tile costs 16 tokens'
+/// vdpbf16ps whatever n, and below 13 the weight-lane tiles' n-token work measures less
+/// (kernels_bench BM_FewTokens<bf16>, docs/RESULTS.md).
+inline constexpr std::size_t kTokenPairLanesMin = 13;
 
 /// Whether set ks has a gemm_lanes kernel for these types (else gemm_lanes is gemm_few).
 template <class T, class W>
@@ -361,6 +367,88 @@ KVDECODE_TARGET_AVX512 inline void tokens_tile_avx512(float* y, const float* xt,
 }
 
 // ---------------------------------------------------------------------------------------------
+// AVX512_BF16, bf16 weights, tokens in lanes: the same tile on bf16 pairs.
+// ---------------------------------------------------------------------------------------------
+
+/// xtp [(in + 1) / 2][16] dwords = x [n][in] (n ≤ 16, already rounded to bf16, so exact) as
+/// bf16 pairs, transposed: lane t of row k holds token t's columns 2k (low half) and 2k + 1
+/// (high half); an odd last column pairs with zero, lanes past n are zero.
+KVDECODE_TARGET_AVX512BF16 inline void transpose_token_pairs(std::uint32_t* xtp, const float* x,
+                                                             std::size_t n, std::size_t in) {
+  for (std::size_t k = 0; k < in; k += 32) {
+    const std::size_t left = std::min<std::size_t>(32, in - k);
+    const auto lo = static_cast<__mmask16>(left >= 16 ? 0xFFFFu : (1u << left) - 1u);
+    const auto hi = static_cast<__mmask16>(left >= 32  ? 0xFFFFu
+                                           : left > 16 ? (1u << (left - 16)) - 1u
+                                                       : 0u);
+    __m512 v[16];  // v[t] dword j: token t's pair k / 2 + j
+    for (std::size_t t = 0; t < 16; ++t) {
+      if (t >= n) {
+        v[t] = _mm512_setzero_ps();
+        continue;
+      }
+      const float* p = x + t * in + k;
+      v[t] = _mm512_castsi512_ps((__m512i)_mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi, p + 16),
+                                                              _mm512_maskz_loadu_ps(lo, p)));
+    }
+    transpose_16x16(v);  // v[j] lane t: token t's pair k / 2 + j
+    for (std::size_t j = 0; 2 * j < left; ++j) _mm512_storeu_ps(xtp + (k / 2 + j) * 16, v[j]);
+  }
+}
+
+/// The dword of bf16 weights p[0] (low half) and p[1] (high half), broadcast.
+KVDECODE_TARGET_AVX512BF16 inline __m512bh broadcast_pair(const bf16* p) {
+  std::uint32_t d;
+  std::memcpy(&d, p, sizeof d);
+  return (__m512bh)_mm512_set1_epi32(static_cast<int>(d));
+}
+
+/// y [n][out] columns [r, r + 16) = w rows [r, r + 16) · xtp [pairs][16]: for each pair k, row
+/// i's two weights broadcast into one vdpbf16ps with the tokens' pairs into accumulator i. Each
+/// output gets the same vdpbf16ps per pair, in order, as lanes_block_dpbf16 (the products are
+/// exact, so which operand holds the weights does not matter): the weight-lane tiles' bits. The
+/// next `next` rows are prefetched into L2, one line per pair.
+KVDECODE_TARGET_AVX512BF16 inline void tokens_tile_dpbf16(float* y, const std::uint32_t* xtp,
+                                                          const bf16* w, std::size_t n,
+                                                          std::size_t in, std::size_t out,
+                                                          std::size_t r, std::size_t next) {
+  __m512 a[16];  // a[i] lane t: output (row r + i, token t)
+  KVDECODE_UNROLL
+  for (int i = 0; i < 16; ++i) a[i] = _mm512_setzero_ps();
+  const bf16* p[8];  // p[i] = &w[r + i][2k]; row i + 8 at p[i] + half, as tokens_tile_avx512
+  KVDECODE_UNROLL
+  for (int i = 0; i < 8; ++i) p[i] = w + (r + static_cast<std::size_t>(i)) * in;
+  const std::size_t half = 8 * in;
+  const char* pf = reinterpret_cast<const char*>(w + (r + kLaneRows) * in);
+  const char* const pf_end = pf + next * in * sizeof(bf16);
+  const std::uint32_t* const xt_full = xtp + in / 2 * 16;
+  const std::uint32_t* xk = xtp;
+  for (; xk != xt_full; xk += 16) {
+    if (pf < pf_end) {
+      _mm_prefetch(pf, _MM_HINT_T1);
+      pf += 64;
+    }
+    const auto xv = (__m512bh)_mm512_loadu_si512(xk);
+    KVDECODE_UNROLL
+    for (int i = 0; i < 8; ++i) {
+      a[i] = _mm512_dpbf16_ps(a[i], broadcast_pair(p[i]), xv);
+      a[i + 8] = _mm512_dpbf16_ps(a[i + 8], broadcast_pair(p[i] + half), xv);
+      p[i] += 2;
+    }
+  }
+  if (in % 2 != 0) {  // the last column alone, its pair's high half zero (not the next row's)
+    const auto xv = (__m512bh)_mm512_loadu_si512(xk);
+    KVDECODE_UNROLL
+    for (int i = 0; i < 8; ++i) {
+      a[i] = _mm512_dpbf16_ps(a[i], (__m512bh)_mm512_set1_epi32(p[i][0].bits), xv);
+      a[i + 8] = _mm512_dpbf16_ps(a[i + 8], (__m512bh)_mm512_set1_epi32(p[i][half].bits), xv);
+    }
+  }
+  transpose_16x16(a);  // a[t] lane i: output (row r + i, token t)
+  for (std::size_t t = 0; t < n; ++t) _mm512_storeu_ps(y + t * out + r, a[t]);
+}
+
+// ---------------------------------------------------------------------------------------------
 // AVX2: 8 × 8 transposes, tiles of 16 rows (two ymm) against up to 6 tokens.
 // ---------------------------------------------------------------------------------------------
 
@@ -502,10 +590,21 @@ KVDECODE_TARGET_AVX512 inline void gemm_lanes_avx512(float* y, const float* x, c
   });
 }
 
+/// xt: the thread's panel, for x's pairs transposed ([(in + 1) / 2][16] dwords; nullptr: the
+/// weight-lane tiles only).
 KVDECODE_TARGET_AVX512BF16 inline void gemm_lanes_dpbf16(float* y, const float* x, const bf16* w,
                                                          std::size_t n, std::size_t in,
                                                          std::size_t out, std::size_t c0,
-                                                         std::size_t c1) {
+                                                         std::size_t c1, float* xt) {
+  if (xt != nullptr && n >= kTokenPairLanesMin) {
+    auto* const xtp = reinterpret_cast<std::uint32_t*>(xt);
+    transpose_token_pairs(xtp, x, n, in);
+    const std::size_t full = c0 + (c1 - c0) / kLaneRows * kLaneRows;  // rows in whole tiles
+    for (std::size_t r = c0; r < full; r += kLaneRows)
+      tokens_tile_dpbf16(y, xtp, w, n, in, out, r, std::min(kLaneRows, c1 - r - kLaneRows));
+    if (full == c1) return;
+    c0 = full;  // the last rows: the weight-lane tile of 16, the same sums
+  }
   lanes_rows(n, c0, c1, [&](std::size_t R, std::size_t r, std::size_t rows, std::size_t next) {
     if (R == 4) return lanes_tile_dpbf16<4>(y, x, w, n, in, out, r, rows, next);
     if (R == 2) return lanes_tile_dpbf16<2>(y, x, w, n, in, out, r, rows, next);
@@ -529,9 +628,9 @@ KVDECODE_INTRINSICS_END
 /// y [n][out] columns [c0, c1) = x [n][in] · w [c0..c1)[in]ᵀ for n ≤ kMaxFewTokens tokens, each
 /// output one fma chain over k in order (the header comment), so independent of n and of the
 /// other tokens. With bf16 weights x must already be rounded (round_to_bf16). panel: the
-/// thread's scratch of kPanelRows × in elements (gemm_few's; with f32 weights on AVX-512 it holds
-/// x transposed for the token-lane tiles) or nullptr (then f32 weights take the weight-lane
-/// tiles only). Without a kernel for the types and set (has_gemm_lanes) it is gemm_few.
+/// thread's scratch of kPanelRows × in elements (gemm_few's; with f32 weights on AVX-512 or bf16
+/// weights with AVX512_BF16 it holds x transposed for the token-lane tiles) or nullptr (then the
+/// weight-lane tiles only). Without a kernel for the types and set (has_gemm_lanes) it is gemm_few.
 template <class T, class W>
 void gemm_lanes(KernelSet ks, T* y, const T* x, const W* w, std::size_t n, std::size_t in,
                 std::size_t out, std::size_t c0, std::size_t c1, T* panel) {
@@ -540,7 +639,7 @@ void gemm_lanes(KernelSet ks, T* y, const T* x, const W* w, std::size_t n, std::
     switch (ks) {
       case KernelSet::kAvx512Bf16:
         if constexpr (std::is_same_v<W, bf16>)
-          return gemm_lanes_dpbf16(y, x, w, n, in, out, c0, c1);
+          return gemm_lanes_dpbf16(y, x, w, n, in, out, c0, c1, panel);
         else
           return gemm_lanes_avx512(y, x, w, n, in, out, c0, c1, panel);
       case KernelSet::kAvx512:
