@@ -14,8 +14,10 @@
 #include <sys/socket.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <ctime>
 #include <deque>
@@ -27,6 +29,7 @@
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <random>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -72,8 +75,8 @@ void declare(CLI::App& app, Options& o) {
   using cli::number;
   app.description(
       "OpenAI-compatible HTTP server over the serving engine: POST /v1/completions and "
-      "/v1/chat/completions (\"stream\": true for server-sent events), GET /health and "
-      "/metrics. Prints 'listening on http://HOST:PORT' once it accepts connections.");
+      "/v1/chat/completions (\"stream\": true for server-sent events), GET /v1/models, /health "
+      "and /metrics. Prints 'listening on http://HOST:PORT' once it accepts connections.");
   app.footer(
       "Exit codes: 0 after SIGINT or SIGTERM, 1 an error (a missing model, a port in use), 2 a "
       "bad command line.");
@@ -134,7 +137,10 @@ struct BadRequest {
   std::string message;
 };
 
-/// A number field of `body`, absent → fallback; wrong type or range → BadRequest.
+constexpr std::uint64_t kMaxCount = std::uint64_t{1} << 31;  // bound of every count field
+constexpr std::uint64_t kMaxSeed = std::uint64_t{1} << 53;   // exact in any client's doubles
+
+/// A number field of `body`, absent or null → fallback; wrong type or range → BadRequest.
 double number_field(const json& body, const char* name, double fallback, double lo, double hi) {
   if (!body.contains(name) || body[name].is_null()) return fallback;
   if (!body[name].is_number())
@@ -146,6 +152,111 @@ double number_field(const json& body, const char* name, double fallback, double 
   return v;
 }
 
+/// An integer field (a JSON number with no fraction), as number_field.
+std::uint64_t integer_field(const json& body, const char* name, std::uint64_t fallback,
+                            std::uint64_t lo, std::uint64_t hi) {
+  if (!body.contains(name) || body[name].is_null()) return fallback;
+  const json& v = body[name];
+  const auto range = [&] {
+    return BadRequest{std::string("'") + name + "' must be an integer in [" + std::to_string(lo) +
+                      ", " + std::to_string(hi) + "], got " + v.dump()};
+  };
+  if (v.is_number_unsigned()) {
+    const auto u = v.get<std::uint64_t>();
+    if (u < lo || u > hi) throw range();
+    return u;
+  }
+  if (v.is_number_integer()) throw range();  // negative
+  if (v.is_number_float()) {
+    const double d = v.get<double>();
+    if (!(d == std::floor(d) && d >= static_cast<double>(lo) && d <= static_cast<double>(hi)))
+      throw range();
+    return static_cast<std::uint64_t>(d);
+  }
+  throw range();
+}
+
+// What the server does with each request field: it honours it, or accepts it only at the value
+// that leaves it off, or refuses it with 400 naming it, so that no option a client sets is
+// silently ignored. "model" and "user" are read and not used: one model is served, and every
+// answer's "model" names it.
+
+/// The fields an endpoint honours (the chat endpoint reads "messages" instead of "prompt" and
+/// also "max_completion_tokens", OpenAI's newer name of "max_tokens").
+constexpr std::array<std::string_view, 14> kSamplingFields = {
+    "max_tokens",    "temperature", "top_p", "top_k",  "min_p",          "repeat_penalty",
+    "repeat_last_n", "seed",        "stop",  "stream", "stream_options", "n",
+    "model",         "user"};
+
+/// A field accepted only at the value that turns it off (or null).
+struct OffOnly {
+  std::string_view name;
+  std::string_view off;   // the accepted value, as the message shows it
+  std::string_view hint;  // what to use instead, or ""
+  bool (*is_off)(const json&);
+  bool chat, completions;  // the endpoints that know it
+};
+bool is_zero(const json& v) { return v.is_number() && v.get<double>() == 0; }
+bool is_one(const json& v) { return v.is_number() && v.get<double>() == 1; }
+bool is_false(const json& v) { return v.is_boolean() && !v.get<bool>(); }
+bool is_empty(const json& v) {  // json::empty() is false for every string
+  return v.is_string() ? v.get_ref<const std::string&>().empty()
+                       : (v.is_object() || v.is_array()) && v.empty();
+}
+bool is_none(const json& v) { return v == "none"; }
+bool is_text_format(const json& v) { return v == json{{"type", "text"}}; }
+constexpr std::string_view kPenaltyHint = "this server's penalty is 'repeat_penalty'";
+const std::array<OffOnly, 12> kOffOnly = {{
+    {"best_of", "1", "", is_one, false, true},
+    {"echo", "false", "", is_false, false, true},
+    {"suffix", "\"\"", "", is_empty, false, true},
+    {"logprobs", "false", "", is_false, true, true},
+    {"top_logprobs", "0", "", is_zero, true, false},
+    {"presence_penalty", "0", kPenaltyHint, is_zero, true, true},
+    {"frequency_penalty", "0", kPenaltyHint, is_zero, true, true},
+    {"logit_bias", "{}", "", is_empty, true, true},
+    {"tools", "[]", "", is_empty, true, false},
+    {"tool_choice", "\"none\"", "", is_none, true, false},
+    {"response_format", "{\"type\": \"text\"}", "", is_text_format, true, false},
+    {"parallel_tool_calls", "false", "", is_false, true, false},
+}};
+
+/// Refuses a field the endpoint does not know, and one it knows only switched off at another
+/// value; checks the types of the fields that are read and not used.
+void check_fields(const json& body, bool chat) {
+  const std::string_view own = chat ? "messages" : "prompt";
+  for (const auto& [key, value] : body.items()) {
+    if (key == own || (chat && key == "max_completion_tokens") ||
+        std::find(kSamplingFields.begin(), kSamplingFields.end(), key) != kSamplingFields.end())
+      continue;
+    const auto f = std::find_if(kOffOnly.begin(), kOffOnly.end(), [&](const OffOnly& o) {
+      return o.name == key && (chat ? o.chat : o.completions);
+    });
+    if (f == kOffOnly.end()) {
+      std::string known(own);
+      if (chat) known += ", max_completion_tokens";
+      for (const std::string_view k : kSamplingFields) known += ", " + std::string(k);
+      throw BadRequest{"unknown field '" + key + "' (" + (chat ? "chat " : "") +
+                       "completions read " + known + ")"};
+    }
+    if (!value.is_null() && !f->is_off(value))
+      throw BadRequest{"'" + key + "' is not supported: only " + std::string(f->off) +
+                       " is accepted, got " + value.dump() +
+                       (f->hint.empty() ? "" : " (" + std::string(f->hint) + ")")};
+  }
+  for (const char* name : {"model", "user"})
+    if (body.contains(name) && !body[name].is_null() && !body[name].is_string())
+      throw BadRequest{std::string("'") + name + "' must be a string, got " + body[name].dump()};
+  if (body.contains("stream_options") && !body["stream_options"].is_null()) {
+    const json& so = body["stream_options"];
+    // The last event always carries the usage, as "include_usage" asks.
+    if (!so.is_object() || so.size() > 1 || (so.size() == 1 && !so.contains("include_usage")) ||
+        (so.contains("include_usage") && !so["include_usage"].is_boolean()))
+      throw BadRequest{"'stream_options' must be {\"include_usage\": true or false}, got " +
+                       so.dump()};
+  }
+}
+
 struct Sampling {
   kvdecode::SamplerOptions sampler;
   std::size_t max_tokens = 16;
@@ -153,16 +264,32 @@ struct Sampling {
   std::vector<std::string> stop;
 };
 
-Sampling read_sampling(const json& body, std::size_t default_max_tokens) {
+/// The sampling fields of a request whose fields check_fields accepted. Without "seed" the
+/// request takes `seed` (the server draws one per request, reported in its usage).
+Sampling read_sampling(const json& body, std::size_t default_max_tokens, std::uint64_t seed,
+                       bool chat) {
   Sampling s;
   s.sampler.temperature = number_field(body, "temperature", 1.0, 0.0, 100.0);
   s.sampler.top_p = number_field(body, "top_p", 1.0, 0.0, 1.0);
-  s.sampler.seed = static_cast<std::uint64_t>(number_field(body, "seed", 1, 1, 9.0e15));
-  s.max_tokens = static_cast<std::size_t>(
-      number_field(body, "max_tokens", static_cast<double>(default_max_tokens), 1, 1e6));
-  if (body.contains("n") && !(body["n"].is_number_integer() && body["n"].get<long>() == 1))
+  s.sampler.top_k = static_cast<std::int64_t>(integer_field(body, "top_k", 0, 0, kMaxCount));
+  s.sampler.min_p = number_field(body, "min_p", 0.0, 0.0, 1.0);
+  s.sampler.repeat_penalty = number_field(body, "repeat_penalty", 1.0, 0.0, 100.0);
+  if (s.sampler.repeat_penalty == 0)
+    throw BadRequest{"'repeat_penalty' must be in (0, 100], got 0"};
+  s.sampler.repeat_last_n = integer_field(body, "repeat_last_n", 64, 0, kMaxCount);
+  s.sampler.seed = integer_field(body, "seed", seed, 1, kMaxSeed);
+  s.max_tokens = integer_field(body, "max_tokens", default_max_tokens, 1, kMaxCount);
+  if (chat && body.contains("max_completion_tokens") && !body["max_completion_tokens"].is_null()) {
+    const std::size_t n = integer_field(body, "max_completion_tokens", 0, 1, kMaxCount);
+    if (body.contains("max_tokens") && !body["max_tokens"].is_null() && n != s.max_tokens)
+      throw BadRequest{"'max_tokens' " + std::to_string(s.max_tokens) +
+                       " and 'max_completion_tokens' " + std::to_string(n) + " differ"};
+    s.max_tokens = n;
+  }
+  if (body.contains("n") && !body["n"].is_null() &&
+      !(body["n"].is_number_integer() && body["n"].get<long>() == 1))
     throw BadRequest{"only 'n': 1 is supported"};
-  if (body.contains("stream")) {
+  if (body.contains("stream") && !body["stream"].is_null()) {
     if (!body["stream"].is_boolean()) throw BadRequest{"'stream' must be true or false"};
     s.stream = body["stream"].get<bool>();
   }
@@ -240,6 +367,17 @@ struct Server {
   std::vector<std::int32_t> newline_ids;  // every token whose piece holds '\n'
   std::int32_t newline = 0;               // the token of "\n" itself
   std::atomic<std::uint64_t> http_requests{0}, bad_requests{0};
+  const long long started = static_cast<long long>(std::time(nullptr));  // /v1/models' "created"
+
+  /// A seed for a request that gives none: different for every request and every run (as
+  /// OpenAI's and llama.cpp's servers sample), in [1, kMaxSeed], reported in the usage.
+  std::uint64_t draw_seed() {
+    kvdecode::detail::SplitMix64 mix(seed_base + seed_count.fetch_add(1));
+    return 1 + mix.next() % kMaxSeed;
+  }
+  const std::uint64_t seed_base =
+      (std::uint64_t{std::random_device{}()} << 32) ^ std::random_device{}();
+  std::atomic<std::uint64_t> seed_count{0};
 
   // The chat template's memory of its own answers: an assistant message's text → the tokens
   // that produced it, so the next turn's prompt repeats them exactly and finds them cached.
@@ -307,7 +445,7 @@ void send_error(httplib::Response& res, int status, const std::string& message,
   res.set_content(dump({{"error", {{"message", message}, {"type", type}}}}), "application/json");
 }
 
-json usage_json(const kvdecode::RequestUsage& u) {
+json usage_json(const kvdecode::RequestUsage& u, std::uint64_t seed) {
   return {{"prompt_tokens", u.prompt_tokens},
           {"completion_tokens", u.generated_tokens},
           {"total_tokens", u.prompt_tokens + u.generated_tokens},
@@ -318,7 +456,8 @@ json usage_json(const kvdecode::RequestUsage& u) {
           {"recomputed_tokens", u.recomputed_tokens},
           {"preemptions", u.preemptions},
           {"queue_ms", u.queue_ms},
-          {"ttft_ms", u.ttft_ms}};
+          {"ttft_ms", u.ttft_ms},
+          {"seed", seed}};
 }
 
 /// One generation: the engine's stream turned into text, stopping at the stop strings (and, for
@@ -428,7 +567,7 @@ void serve_generation(Server& s, httplib::Response& res, std::vector<std::int32_
                           {"created", created},
                           {"model", s.model_name},
                           {"choices", json::array({choice})},
-                          {"usage", usage_json(stream->usage())}}),
+                          {"usage", usage_json(stream->usage(), sp.sampler.seed)}}),
                     "application/json");
     return;
   }
@@ -484,7 +623,7 @@ void serve_generation(Server& s, httplib::Response& res, std::vector<std::int32_
         if (!done) return true;
         stream->wait();
         remember_answer(*all_text, *gen);
-        const json usage = usage_json(stream->usage());
+        const json usage = usage_json(stream->usage(), sp.sampler.seed);
         if (!event("", gen->finish_reason(), &usage)) return false;
         const std::string end = "data: [DONE]\n\n";
         sink.write(end.data(), end.size());
@@ -664,12 +803,36 @@ int run(const Options& o) {
     ++s.http_requests;
     res.set_content(dump(metrics_json(s)), "application/json");
   });
+  // OpenAI's model list (clients ask for it before anything else): the one model served.
+  const auto model_json = [&] {
+    return json{{"id", s.model_name},
+                {"object", "model"},
+                {"created", s.started},
+                {"owned_by", "kvdecode"}};
+  };
+  http.Get("/v1/models", [&](const httplib::Request&, httplib::Response& res) {
+    ++s.http_requests;
+    res.set_content(dump({{"object", "list"}, {"data", json::array({model_json()})}}),
+                    "application/json");
+  });
+  http.Get(R"(/v1/models/(.+))", [&](const httplib::Request& req, httplib::Response& res) {
+    ++s.http_requests;
+    if (req.matches[1] == s.model_name) {
+      res.set_content(dump(model_json()), "application/json");
+    } else {
+      send_error(res, 404,
+                 "no model '" + std::string(req.matches[1]) + "': this server serves '" +
+                     s.model_name + "'",
+                 "not_found_error");
+    }
+  });
   http.Post("/v1/completions", [&](const httplib::Request& req, httplib::Response& res) {
     const auto body = parse_body(s, req, res);
     if (!body) return;
     answer(s, res, [&] {
+      check_fields(*body, false);
       const std::string prompt = required_string(*body, "prompt", "the request");
-      const Sampling sp = read_sampling(*body, 16);
+      const Sampling sp = read_sampling(*body, 16, s.draw_seed(), false);
       serve_generation(s, res, s.vocabulary.encode_prompt(prompt), sp, false);
     });
   });
@@ -677,13 +840,16 @@ int run(const Options& o) {
     const auto body = parse_body(s, req, res);
     if (!body) return;
     answer(s, res, [&] {
+      check_fields(*body, true);
       if (!body->contains("messages")) throw BadRequest{"the request needs 'messages'"};
-      const Sampling sp = read_sampling(*body, 64);
+      const Sampling sp = read_sampling(*body, 64, s.draw_seed(), true);
       serve_generation(s, res, s.chat_prompt((*body)["messages"]), sp, true);
     });
   });
   http.set_error_handler([&](const httplib::Request&, httplib::Response& res) {
-    if (res.status == 404) send_error(res, 404, "no such endpoint", "not_found_error");
+    // Called for every status from 400 on: an answer that has its own message keeps it.
+    if (res.status == 404 && res.body.empty())
+      send_error(res, 404, "no such endpoint", "not_found_error");
     if (res.status == 413)
       send_error(res, 413, "the body exceeds " + std::to_string(o.max_body_bytes) + " bytes");
   });

@@ -3,10 +3,12 @@
 and by curl: health, completions (whole and streamed), a second chat turn that prefills only
 what is new, concurrent clients, a client that disconnects mid-stream (its blocks are freed),
 malformed requests; a server restarted on the same --prefix-dir that loads a prompt's blocks
-from disk (and skips a corrupt file); bad --prefix-* values; with --gpt2-model, a GGUF model of
-GPT-2's byte-level BPE vocabulary; with --gguf-model and --generate, a GGUF model of q4_0 blocks
-served in each weight format (--weights) with the generator's greedy text. The server picks a
-free port (--port 0) and prints it; every wait is bounded.
+from disk (and skips a corrupt file); bad --prefix-* values; /v1/models; every request field
+honoured or refused; with --gpt2-model, a GGUF model of GPT-2's byte-level BPE vocabulary; with
+--gguf-model and --generate, a GGUF model of q4_0 blocks served in each weight format
+(--weights) with the generator's greedy text; with --generate, a sampled completion with every
+sampling field set as the generator writes it. The server picks a free port (--port 0) and
+prints it; every wait is bounded.
 
 usage: server_test.py SERVER_BINARY [--gpt2-model FILE] [--gguf-model FILE --generate BINARY]
                       [unittest arguments, e.g. a class]
@@ -249,8 +251,15 @@ class ServerTest(unittest.TestCase):
             (b'{"prompt": ', "the body is not valid JSON"),
             (b'[1, 2]', "the body must be a JSON object"),
             (b'{"max_tokens": 4}', "the request needs a string 'prompt'"),
-            (b'{"prompt": "a", "max_tokens": "many"}', "'max_tokens' must be a number"),
-            (b'{"prompt": "a", "max_tokens": 0}', "'max_tokens' must be in [1, "),
+            (b'{"prompt": "a", "max_tokens": "many"}', "'max_tokens' must be an integer"),
+            (b'{"prompt": "a", "max_tokens": 0}', "'max_tokens' must be an integer in [1, "),
+            (b'{"prompt": "a", "max_tokens": 4.5}', "'max_tokens' must be an integer in [1, "),
+            (b'{"prompt": "a", "top_k": -1}', "'top_k' must be an integer in [0, "),
+            (b'{"prompt": "a", "min_p": 2}', "'min_p' must be in [0, 1]"),
+            (b'{"prompt": "a", "repeat_penalty": 0}', "'repeat_penalty' must be in (0, 100]"),
+            (b'{"prompt": "a", "seed": 0}', "'seed' must be an integer in [1, "),
+            (b'{"prompt": "a", "model": 3}', "'model' must be a string"),
+            (b'{"prompt": "a", "stream_options": {"x": 1}}', "'stream_options' must be"),
             (b'{"prompt": "a", "temperature": -1}', "'temperature' must be in [0, 100]"),
             (b'{"prompt": "a", "stream": "yes"}', "'stream' must be true or false"),
             (b'{"prompt": "a", "stop": [1]}', "'stop' must be a string or up to 4 strings"),
@@ -266,6 +275,8 @@ class ServerTest(unittest.TestCase):
             (b'{"messages": [{"role": "judge", "content": "x"}]}', "must be system, user"),
             (b'{"messages": [{"role": "user"}]}', "a message needs a string 'content'"),
             (b'{}', "the request needs 'messages'"),
+            (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 4, '
+             b'"max_completion_tokens": 5}', "'max_tokens' 4 and 'max_completion_tokens' 5 differ"),
         ]
         for raw, message in chat_cases:
             status, body = request("POST", "/v1/chat/completions", raw=raw)
@@ -277,6 +288,85 @@ class ServerTest(unittest.TestCase):
         status, body = request("GET", "/v2/nothing")
         self.assertEqual(status, 404)
         self.assertEqual(request("GET", "/health")[0], 200)
+
+    def test_models_lists_the_served_model(self):
+        name = metrics()["model"]
+        status, models = request("GET", "/v1/models")
+        self.assertEqual(status, 200)
+        self.assertEqual(models["object"], "list")
+        self.assertEqual([m["id"] for m in models["data"]], [name])
+        self.assertEqual(models["data"][0]["object"], "model")
+        self.assertEqual(request("GET", "/v1/models/" + name), (200, models["data"][0]))
+        status, body = request("GET", "/v1/models/gpt-4")
+        self.assertEqual(status, 404)
+        self.assertIn("no model 'gpt-4': this server serves '%s'" % name, body["error"]["message"])
+
+    def test_every_field_is_honoured_or_refused(self):
+        """A field the server does not implement is refused (400 naming it), or accepted only at
+        the value that leaves it off; such values, "model", "user" and "stream_options" change
+        nothing in the answer."""
+        base = {"prompt": "And Abraham rose up early", "max_tokens": 10, "temperature": 0}
+        _, plain = post("/v1/completions", base)
+        off = dict(base, model="gpt-3.5-turbo-instruct", user="u1", n=1, best_of=1, echo=False,
+                   suffix="", logprobs=None, presence_penalty=0, frequency_penalty=0.0,
+                   logit_bias={}, stream_options={"include_usage": True}, stop=None)
+        status, same = post("/v1/completions", off)
+        self.assertEqual(status, 200, same)
+        self.assertEqual(same["choices"][0]["text"], plain["choices"][0]["text"])
+        refused = [({"frequency_penalty": 0.5}, "'frequency_penalty' is not supported: only 0 is"
+                    " accepted, got 0.5 (this server's penalty is 'repeat_penalty')"),
+                   ({"logprobs": 2}, "'logprobs' is not supported: only false"),
+                   ({"echo": True}, "'echo' is not supported"),
+                   ({"best_of": 3}, "'best_of' is not supported"),
+                   ({"logit_bias": {"50": 100}}, "'logit_bias' is not supported"),
+                   ({"suffix": "x"}, "'suffix' is not supported"),
+                   ({"top_logprobs": 2}, "unknown field 'top_logprobs'"),  # chat only
+                   ({"messages": []}, "unknown field 'messages'"),
+                   ({"temprature": 0.5}, "unknown field 'temprature' (completions read prompt,")]
+        for extra, message in refused:
+            status, body = post("/v1/completions", dict(base, **extra))
+            self.assertEqual(status, 400, extra)
+            self.assertIn(message, body["error"]["message"], extra)
+        chat = {"messages": [{"role": "user", "content": "And Moses said"}], "temperature": 0,
+                "max_completion_tokens": 6}
+        _, plain = post("/v1/chat/completions", chat)
+        self.assertEqual(plain["usage"]["completion_tokens"], 6)
+        off = dict(chat, max_tokens=6, tools=[], tool_choice="none", parallel_tool_calls=False,
+                   response_format={"type": "text"}, logprobs=False, top_logprobs=0,
+                   presence_penalty=0)
+        status, same = post("/v1/chat/completions", off)
+        self.assertEqual(status, 200, same)
+        self.assertEqual(same["choices"][0]["message"], plain["choices"][0]["message"])
+        for extra, message in [({"tools": [{"type": "function"}]}, "'tools' is not supported"),
+                               ({"response_format": {"type": "json_object"}},
+                                "'response_format' is not supported"),
+                               ({"logprobs": True}, "'logprobs' is not supported"),
+                               ({"echo": False}, "unknown field 'echo'")]:  # completions only
+            status, body = post("/v1/chat/completions", dict(chat, **extra))
+            self.assertEqual(status, 400, extra)
+            self.assertIn(message, body["error"]["message"], extra)
+
+    def test_top_k_1_and_min_p_1_sample_the_most_likely_token(self):
+        # Whatever the temperature and the seed, keeping the most likely token alone is argmax.
+        base = {"prompt": "And the LORD spake unto Moses", "max_tokens": 16}
+        _, greedy = post("/v1/completions", dict(base, temperature=0))
+        for extra in ({"top_k": 1}, {"min_p": 1}):
+            status, answer = post("/v1/completions", dict(base, temperature=1.5, seed=5, **extra))
+            self.assertEqual(status, 200, answer)
+            self.assertEqual(answer["choices"][0]["text"], greedy["choices"][0]["text"], extra)
+        _, free = post("/v1/completions", dict(base, temperature=1.5, seed=5))
+        self.assertNotEqual(free["choices"][0]["text"], greedy["choices"][0]["text"])
+
+    def test_a_request_without_a_seed_draws_its_own(self):
+        body = {"prompt": "And it came to pass", "max_tokens": 12, "temperature": 1.0}
+        answers = [post("/v1/completions", body)[1] for _ in range(3)]
+        seeds = [a["usage"]["seed"] for a in answers]
+        self.assertEqual(len(set(seeds)), 3, seeds)
+        for a in answers:
+            self.assertTrue(1 <= a["usage"]["seed"] <= 2 ** 53)
+            _, again = post("/v1/completions", dict(body, seed=a["usage"]["seed"]))
+            self.assertEqual(again["usage"]["seed"], a["usage"]["seed"])
+            self.assertEqual(again["choices"][0]["text"], a["choices"][0]["text"])
 
     def test_curl(self):
         url = "http://127.0.0.1:%d" % SERVER.port
@@ -512,6 +602,34 @@ class WeightFormatsTest(unittest.TestCase):
         for weights in ("q8_0", "bf16", "f32"):
             with self.subTest(weights=weights):
                 self.expect_generator_text(weights, weights)
+
+
+class SamplingTest(unittest.TestCase):
+    """A sampled completion with every sampling field set is the text the generator writes alone
+    with the same flags and seed (another program, no engine)."""
+
+    def test_sampling_fields_as_the_generator_reads_them(self):
+        if GENERATE is None:
+            self.skipTest("needs --generate")
+        prompt = "And it came to pass"
+        fields = {"temperature": 0.9, "top_p": 0.95, "top_k": 8, "min_p": 0.05,
+                  "repeat_penalty": 1.3, "repeat_last_n": 32, "seed": 11}
+        status, answer = post("/v1/completions", dict(fields, prompt=prompt, max_tokens=40))
+        self.assertEqual(status, 200, answer)
+        flags = []
+        for name, value in fields.items():
+            flags += ["--" + name.replace("_", "-"), str(value)]
+        alone = subprocess.run([GENERATE, "-p", prompt, "-n", "40"] + flags,
+                               capture_output=True, text=True, timeout=TIMEOUT)
+        self.assertEqual(alone.returncode, 0, alone.stderr)
+        self.assertEqual(prompt + answer["choices"][0]["text"], alone.stdout.rstrip("\n"))
+        # Each field is read: the same request without it (its default instead) says otherwise.
+        for name in fields:
+            rest = {k: v for k, v in fields.items() if k != name}
+            if name == "seed":
+                rest["seed"] = 12
+            _, other = post("/v1/completions", dict(rest, prompt=prompt, max_tokens=40))
+            self.assertNotEqual(other["choices"][0]["text"], answer["choices"][0]["text"], name)
 
 
 if __name__ == "__main__":
