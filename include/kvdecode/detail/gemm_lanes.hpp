@@ -211,23 +211,26 @@ KVDECODE_TARGET_AVX512BF16 inline void lanes_block_dpbf16(float* acc, const floa
   for (int i = 0; i < R; ++i) _mm512_store_ps(acc + j * kW + i * kLaneRows, a[i][j]);
 }
 
-/// xb [n][xb_stride] dwords = x [n][in] columns [k0, k0 + kc) as bf16 pairs (x already rounded,
-/// so the conversion is exact); an odd last column pairs with zero.
+/// The floats p[0, min(left, 32)) as 16 bf16 pairs (dword j: p[2j] low, p[2j + 1] high; x is
+/// already rounded, so the conversion is exact), missing columns zero.
+KVDECODE_TARGET_AVX512BF16 inline __m512i load_x_pairs(const float* p, std::size_t left) {
+  const auto lo = static_cast<__mmask16>(left >= 16 ? 0xFFFFu : (1u << left) - 1u);
+  const auto hi = static_cast<__mmask16>(left >= 32  ? 0xFFFFu
+                                         : left > 16 ? (1u << (left - 16)) - 1u
+                                                     : 0u);
+  return (__m512i)_mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi, p + 16),
+                                      _mm512_maskz_loadu_ps(lo, p));
+}
+
+/// xb [n][xb_stride] dwords = x [n][in] columns [k0, k0 + kc) as bf16 pairs; an odd last
+/// column pairs with zero.
 KVDECODE_TARGET_AVX512BF16 inline void pack_x_pairs(std::uint32_t* xb, std::size_t xb_stride,
                                                     const float* x, std::size_t n, std::size_t in,
                                                     std::size_t k0, std::size_t kc) {
   for (std::size_t t = 0; t < n; ++t)
-    for (std::size_t k = 0; k < kc; k += 32) {
-      const std::size_t left = std::min<std::size_t>(32, kc - k);
-      const auto lo = static_cast<__mmask16>(left >= 16 ? 0xFFFFu : (1u << left) - 1u);
-      const auto hi = static_cast<__mmask16>(left >= 32  ? 0xFFFFu
-                                             : left > 16 ? (1u << (left - 16)) - 1u
-                                                         : 0u);
-      const float* p = x + t * in + k0 + k;
-      const __m512bh v =
-          _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi, p + 16), _mm512_maskz_loadu_ps(lo, p));
-      _mm512_storeu_si512(xb + t * xb_stride + k / 2, (__m512i)v);
-    }
+    for (std::size_t k = 0; k < kc; k += 32)
+      _mm512_storeu_si512(xb + t * xb_stride + k / 2,
+                          load_x_pairs(x + t * in + k0 + k, std::min<std::size_t>(32, kc - k)));
 }
 
 /// The token groups of one tile: n tokens in groups of at most 16 / R (so R × N ≤ 16
@@ -377,20 +380,9 @@ KVDECODE_TARGET_AVX512BF16 inline void transpose_token_pairs(std::uint32_t* xtp,
                                                              std::size_t n, std::size_t in) {
   for (std::size_t k = 0; k < in; k += 32) {
     const std::size_t left = std::min<std::size_t>(32, in - k);
-    const auto lo = static_cast<__mmask16>(left >= 16 ? 0xFFFFu : (1u << left) - 1u);
-    const auto hi = static_cast<__mmask16>(left >= 32  ? 0xFFFFu
-                                           : left > 16 ? (1u << (left - 16)) - 1u
-                                                       : 0u);
     __m512 v[16];  // v[t] dword j: token t's pair k / 2 + j
-    for (std::size_t t = 0; t < 16; ++t) {
-      if (t >= n) {
-        v[t] = _mm512_setzero_ps();
-        continue;
-      }
-      const float* p = x + t * in + k;
-      v[t] = _mm512_castsi512_ps((__m512i)_mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi, p + 16),
-                                                              _mm512_maskz_loadu_ps(lo, p)));
-    }
+    for (std::size_t t = 0; t < 16; ++t)
+      v[t] = t < n ? _mm512_castsi512_ps(load_x_pairs(x + t * in + k, left)) : _mm512_setzero_ps();
     transpose_16x16(v);  // v[j] lane t: token t's pair k / 2 + j
     for (std::size_t j = 0; 2 * j < left; ++j) _mm512_storeu_ps(xtp + (k / 2 + j) * 16, v[j]);
   }
@@ -568,6 +560,16 @@ inline void lanes_rows(std::size_t n, std::size_t c0, std::size_t c1, Tile&& til
   }
 }
 
+/// Runs tile(r, next) on rows [c0, c1) in whole token tiles of kLaneRows rows (next: the rows
+/// of the tile after it, to prefetch); returns where the rows left over begin.
+template <class Tile>
+inline std::size_t whole_token_tiles(std::size_t c0, std::size_t c1, Tile&& tile) {
+  const std::size_t full = c0 + (c1 - c0) / kLaneRows * kLaneRows;
+  for (std::size_t r = c0; r < full; r += kLaneRows)
+    tile(r, std::min(kLaneRows, c1 - r - kLaneRows));
+  return full;
+}
+
 /// xt: the thread's panel, for x transposed ([in][16]; nullptr: the weight-lane tiles only).
 template <class W>
 KVDECODE_TARGET_AVX512 inline void gemm_lanes_avx512(float* y, const float* x, const W* w,
@@ -576,11 +578,10 @@ KVDECODE_TARGET_AVX512 inline void gemm_lanes_avx512(float* y, const float* x, c
   if constexpr (std::is_same_v<W, float>) {
     if (xt != nullptr && n >= kTokenLanesMin) {
       transpose_tokens_avx512(xt, x, n, in);
-      const std::size_t full = c0 + (c1 - c0) / kLaneRows * kLaneRows;  // rows in whole tiles
-      for (std::size_t r = c0; r < full; r += kLaneRows)
-        tokens_tile_avx512(y, xt, w, n, in, out, r, std::min(kLaneRows, c1 - r - kLaneRows));
-      if (full == c1) return;
-      c0 = full;  // the last rows: the weight-lane tile of 16, the same chains
+      c0 = whole_token_tiles(c0, c1, [&](std::size_t r, std::size_t next) {
+        tokens_tile_avx512(y, xt, w, n, in, out, r, next);
+      });
+      if (c0 == c1) return;  // else the last rows: the weight-lane tile of 16, the same chains
     }
   }
   lanes_rows(n, c0, c1, [&](std::size_t R, std::size_t r, std::size_t rows, std::size_t next) {
@@ -599,11 +600,10 @@ KVDECODE_TARGET_AVX512BF16 inline void gemm_lanes_dpbf16(float* y, const float* 
   if (xt != nullptr && n >= kTokenPairLanesMin) {
     auto* const xtp = reinterpret_cast<std::uint32_t*>(xt);
     transpose_token_pairs(xtp, x, n, in);
-    const std::size_t full = c0 + (c1 - c0) / kLaneRows * kLaneRows;  // rows in whole tiles
-    for (std::size_t r = c0; r < full; r += kLaneRows)
-      tokens_tile_dpbf16(y, xtp, w, n, in, out, r, std::min(kLaneRows, c1 - r - kLaneRows));
-    if (full == c1) return;
-    c0 = full;  // the last rows: the weight-lane tile of 16, the same sums
+    c0 = whole_token_tiles(c0, c1, [&](std::size_t r, std::size_t next) {
+      tokens_tile_dpbf16(y, xtp, w, n, in, out, r, next);
+    });
+    if (c0 == c1) return;  // else the last rows: the weight-lane tile of 16, the same sums
   }
   lanes_rows(n, c0, c1, [&](std::size_t R, std::size_t r, std::size_t rows, std::size_t next) {
     if (R == 4) return lanes_tile_dpbf16<4>(y, x, w, n, in, out, r, rows, next);
