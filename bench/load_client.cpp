@@ -44,6 +44,7 @@ struct Options {
   std::size_t clients = 16;
   std::size_t requests = 2;
   std::size_t max_tokens = 64;
+  bool vary_lengths = false;
   std::string system;  // a file holding the system prompt, "-" for stdin
   double timeout_s = 300;
   bool verbose = false;
@@ -73,6 +74,9 @@ void declare(CLI::App& app, Options& o) {
   app.add_option("--max-tokens", o.max_tokens, "max_tokens of every request")
       ->check(number<std::size_t>(1, 1 << 20))
       ->capture_default_str();
+  app.add_flag("--vary-lengths", o.vary_lengths,
+               "request r of client c asks for MAX/2 + (37c + 11r) mod MAX tokens instead (about "
+               "MAX on average), so the clients do not all finish in the same step");
   app.add_option("--system", o.system,
                  "file holding the system prompt, taken exactly (a trailing newline included); "
                  "- reads standard input")
@@ -165,14 +169,22 @@ class EventReader {
   std::string error_;
 };
 
+/// The max_tokens of request r of client c (tools/load_bench.py's max_tokens_of).
+std::size_t max_tokens_of(const Options& o, std::size_t c, std::size_t r) {
+  return o.vary_lengths ? o.max_tokens / 2 + (37 * c + 11 * r) % o.max_tokens : o.max_tokens;
+}
+
 /// One streamed request; an empty string, or what went wrong.
 std::string stream_one(const Options& o, const std::string& system, Record& r) {
   const std::string question = std::string(kQuestions[(r.client + r.request) % kQuestions.size()]) +
                                " (" + std::to_string(r.client) + "." + std::to_string(r.request) +
                                ")";
-  const json body = {
-      {"prompt", system + "\n" + question},     {"max_tokens", o.max_tokens}, {"temperature", 0.8},
-      {"seed", 1 + r.client * 100 + r.request}, {"stop", json::array()},      {"stream", true}};
+  const json body = {{"prompt", system + "\n" + question},
+                     {"max_tokens", max_tokens_of(o, r.client, r.request)},
+                     {"temperature", 0.8},
+                     {"seed", 1 + r.client * 100 + r.request},
+                     {"stop", json::array()},
+                     {"stream", true}};
   // A client per request, as the Python client's one connection per request: the connection is
   // part of the time to first token.
   httplib::Client http(o.host, o.port);
@@ -231,6 +243,9 @@ std::string read_system(const std::string& name) {
 }
 
 int run(const Options& o) {
+  if (o.vary_lengths && o.max_tokens < 2)
+    throw cli::UsageError{"--vary-lengths needs --max-tokens 2 or more, got " +
+                          std::to_string(o.max_tokens)};
   const std::string system = read_system(o.system);
   std::vector<Record> records(o.clients * o.requests);  // [clients][requests]
   std::vector<std::string> errors(records.size());      // [clients][requests], "" = answered
@@ -274,6 +289,7 @@ int run(const Options& o) {
     out_records.push_back(
         {{"client", r.client},
          {"request", r.request},
+         {"max_tokens", max_tokens_of(o, r.client, r.request)},
          {"ttft_ms", r.ttft_ms >= 0 ? json(r.ttft_ms) : json(nullptr)},
          {"gaps_ms", r.gaps_ms},
          {"text_events", r.text_events},
@@ -285,10 +301,16 @@ int run(const Options& o) {
          // connection, the HTTP handling, the tokenizer and the event's way back.
          {"engine_ttft_ms", u.value("ttft_ms", 0.0)}});
   }
-  const json out = {
-      {"client", "load_client"},     {"clients", o.clients},    {"requests_per_client", o.requests},
-      {"max_tokens", o.max_tokens},  {"wall_s", wall_s},        {"cpu_s", cpu_s},
-      {"completion_tokens", tokens}, {"requests", out_records}, {"errors", out_errors}};
+  const json out = {{"client", "load_client"},
+                    {"clients", o.clients},
+                    {"requests_per_client", o.requests},
+                    {"max_tokens", o.max_tokens},
+                    {"vary_lengths", o.vary_lengths},
+                    {"wall_s", wall_s},
+                    {"cpu_s", cpu_s},
+                    {"completion_tokens", tokens},
+                    {"requests", out_records},
+                    {"errors", out_errors}};
   // An error may quote a cut UTF-8 sequence: replaced, not thrown on.
   std::printf("%s\n", out.dump(-1, ' ', false, json::error_handler_t::replace).c_str());
   std::fflush(stdout);

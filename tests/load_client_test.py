@@ -30,11 +30,25 @@ class LoadClientTest(unittest.TestCase):
         self.server = server_test.Server(SERVER_BINARY)
         self.addCleanup(self.server.stop)
 
-    def run_client(self, port, clients, requests):
+    def run_client(self, port, clients, requests, extra=()):
         return subprocess.run(
             [CLIENT_BINARY, "--port", str(port), "--clients", str(clients), "--requests",
-             str(requests), "--max-tokens", str(MAX_TOKENS), "--system", "-", "--timeout", "30"],
-            input=SYSTEM, capture_output=True, text=True, timeout=60)
+             str(requests), "--max-tokens", str(MAX_TOKENS), "--system", "-", "--timeout", "30"]
+            + list(extra), input=SYSTEM, capture_output=True, text=True, timeout=60)
+
+    def test_vary_lengths_gives_each_request_its_own_max_tokens(self):
+        out = self.run_client(self.server.port, 3, 2, ["--vary-lengths"])
+        self.assertEqual(out.returncode, 0, out.stderr)
+        records = json.loads(out.stdout)["requests"]
+        self.assertEqual(len(records), 6)
+        for r in records:  # M/2 + (37c + 11r) mod M, as tools/load_bench.py's max_tokens_of
+            asked = MAX_TOKENS // 2 + (37 * r["client"] + 11 * r["request"]) % MAX_TOKENS
+            self.assertEqual(r["max_tokens"], asked, r)
+            self.assertTrue(1 <= r["completion_tokens"] <= asked, r)
+        self.assertGreater(len({r["max_tokens"] for r in records}), 1)
+        out = self.run_client(self.server.port, 1, 1, ["--vary-lengths", "--max-tokens", "1"])
+        self.assertEqual(out.returncode, 2)
+        self.assertIn("--vary-lengths needs --max-tokens 2 or more, got 1", out.stderr)
 
     def test_two_clients_match_the_server_counters(self):
         out = self.run_client(self.server.port, 2, 1)

@@ -25,7 +25,12 @@ question) on a server with an empty --prefix-dir (cold), on a server restarted o
 (the system prompt's blocks loaded from disk) and again on that server (from memory). Each
 server first answers an unrelated warm-up request.
 
+With --vary-lengths, request r of client c asks for M/2 + (37c + 11r) mod M tokens (M =
+--max-tokens, about M on average) instead of M: the clients no longer all finish in the same
+step, so their next requests no longer reach the server together.
+
 usage: tools/load_bench.py build/release/examples/server [--clients 16] [--requests 2] [--repeat 5]
+                          [--max-tokens 64] [--vary-lengths]
                           [--client build/release/bench/load_client]
        tools/load_bench.py build/release/examples/server --prefix-restart [--repeat 5]
 """
@@ -154,6 +159,13 @@ def pct(values, q):
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
+def max_tokens_of(opts, c, r):
+    """max_tokens of request r of client c: --max-tokens, or with --vary-lengths a spread over
+    [M/2, 3M/2) (about M on average), so the clients do not all finish in the same step."""
+    m = opts.max_tokens
+    return m // 2 + (37 * c + 11 * r) % m if opts.vary_lengths else m
+
+
 def python_clients(opts, port, system):
     """The client phase in this process: one thread per client, one connection per request.
     (results, errors, wall s, client CPU s)."""
@@ -164,7 +176,7 @@ def python_clients(opts, port, system):
         for r in range(opts.requests):
             q = QUESTIONS[(c + r) % len(QUESTIONS)] + " (%d.%d)" % (c, r)
             try:
-                res = streamed(port, {"prompt": system + "\n" + q, "max_tokens": opts.max_tokens,
+                res = streamed(port, {"prompt": system + "\n" + q, "max_tokens": max_tokens_of(opts, c, r),
                                       "temperature": 0.8, "seed": 1 + c * 100 + r, "stop": []},
                                opts.timeout)
                 with lock:
@@ -189,7 +201,8 @@ def native_clients(opts, port, system):
     out = subprocess.run(
         [opts.client, "--port", str(port), "--clients", str(opts.clients), "--requests",
          str(opts.requests), "--max-tokens", str(opts.max_tokens), "--system", "-", "--timeout",
-         str(opts.timeout)], input=system, capture_output=True, text=True)
+         str(opts.timeout)] + (["--vary-lengths"] if opts.vary_lengths else []),
+        input=system, capture_output=True, text=True)
     try:
         data = json.loads(out.stdout)
     except ValueError:
@@ -293,6 +306,10 @@ def main():
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--requests", type=int, default=2, help="requests per client, in sequence")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--vary-lengths", action="store_true",
+                    help="request r of client c asks for MAX/2 + (37c + 11r) mod MAX tokens "
+                         "(about MAX on average) instead of MAX, so the clients' requests do "
+                         "not all end in the same step and arrive together again")
     ap.add_argument("--system-tokens", type=int, default=256)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=300, help="seconds per HTTP exchange")
@@ -306,6 +323,8 @@ def main():
     ap.add_argument("--prefix-restart", action="store_true",
                     help="measure TTFT cold / after a restart on a --prefix-dir / in memory")
     opts = ap.parse_args()
+    if opts.vary_lengths and opts.max_tokens < 2:
+        ap.error("--vary-lengths needs --max-tokens 2 or more")
     if opts.client and not (os.path.isfile(opts.client) and os.access(opts.client, os.X_OK)):
         ap.error("--client %s is not an executable file (cmake --build build/release --target "
                  "load_client)" % opts.client)
@@ -388,9 +407,12 @@ def client_name(opts):
 
 
 def report(rows, opts, n_system, rep):
-    print("\nrun %d: %d clients x %d requests, system prompt %d tokens (BOS included), %d generated "
-          "tokens each, %d engine threads; measured by %s\n" % (
-              rep + 1, opts.clients, opts.requests, n_system, opts.max_tokens, opts.threads,
+    lengths = ("%d-%d generated tokens (--vary-lengths)" % (opts.max_tokens // 2,
+                                                             opts.max_tokens // 2 + opts.max_tokens - 1)
+               if opts.vary_lengths else "%d generated tokens each" % opts.max_tokens)
+    print("\nrun %d: %d clients x %d requests, system prompt %d tokens (BOS included), %s, "
+          "%d engine threads; measured by %s\n" % (
+              rep + 1, opts.clients, opts.requests, n_system, lengths, opts.threads,
               client_name(opts)))
     print("| set-up | requests | wall s | gen tok/s | TTFT p50 / p90 / p99 ms | "
           "event gap p50 / p90 / p99 ms | engine TTFT p50 ms | client - engine TTFT p50 / p90 ms | "
