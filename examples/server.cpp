@@ -140,15 +140,17 @@ struct BadRequest {
 constexpr std::uint64_t kMaxCount = std::uint64_t{1} << 31;  // bound of every count field
 constexpr std::uint64_t kMaxSeed = std::uint64_t{1} << 53;   // exact in any client's doubles
 
-/// A number field of `body`, absent or null → fallback; wrong type or range → BadRequest.
-double number_field(const json& body, const char* name, double fallback, double lo, double hi) {
+/// A number field of `body`, absent or null → fallback; wrong type or range → BadRequest. The
+/// range is [lo, hi], or (lo, hi] with open_lo.
+double number_field(const json& body, const char* name, double fallback, double lo, double hi,
+                    bool open_lo = false) {
   if (!body.contains(name) || body[name].is_null()) return fallback;
   if (!body[name].is_number())
     throw BadRequest{std::string("'") + name + "' must be a number, got " + body[name].dump()};
   const double v = body[name].get<double>();
-  if (!(v >= lo && v <= hi))
-    throw BadRequest{std::string("'") + name + "' must be in [" + cli::to_text(lo) + ", " +
-                     cli::to_text(hi) + "], got " + body[name].dump()};
+  if (!((open_lo ? v > lo : v >= lo) && v <= hi))
+    throw BadRequest{std::string("'") + name + "' must be in " + (open_lo ? "(" : "[") +
+                     cli::to_text(lo) + ", " + cli::to_text(hi) + "], got " + body[name].dump()};
   return v;
 }
 
@@ -273,9 +275,7 @@ Sampling read_sampling(const json& body, std::size_t default_max_tokens, std::ui
   s.sampler.top_p = number_field(body, "top_p", 1.0, 0.0, 1.0);
   s.sampler.top_k = static_cast<std::int64_t>(integer_field(body, "top_k", 0, 0, kMaxCount));
   s.sampler.min_p = number_field(body, "min_p", 0.0, 0.0, 1.0);
-  s.sampler.repeat_penalty = number_field(body, "repeat_penalty", 1.0, 0.0, 100.0);
-  if (s.sampler.repeat_penalty == 0)
-    throw BadRequest{"'repeat_penalty' must be in (0, 100], got 0"};
+  s.sampler.repeat_penalty = number_field(body, "repeat_penalty", 1.0, 0.0, 100.0, true);
   s.sampler.repeat_last_n = integer_field(body, "repeat_last_n", 64, 0, kMaxCount);
   s.sampler.seed = integer_field(body, "seed", seed, 1, kMaxSeed);
   s.max_tokens = integer_field(body, "max_tokens", default_max_tokens, 1, kMaxCount);
