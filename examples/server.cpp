@@ -138,7 +138,7 @@ struct BadRequest {
 };
 
 constexpr std::uint64_t kMaxCount = std::uint64_t{1} << 31;  // bound of every count field
-constexpr std::uint64_t kMaxSeed = std::uint64_t{1} << 53;   // exact in any client's doubles
+constexpr std::int64_t kMaxSeed = std::int64_t{1} << 53;     // |seed| bound: exact in doubles
 
 /// A number field of `body`, absent or null → fallback; wrong type or range → BadRequest. The
 /// range is [lo, hi], or (lo, hi] with open_lo.
@@ -176,6 +176,38 @@ std::uint64_t integer_field(const json& body, const char* name, std::uint64_t fa
     return static_cast<std::uint64_t>(d);
   }
   throw range();
+}
+
+/// The "seed" field of `body` as given: any integer in [-kMaxSeed, kMaxSeed] (OpenAI takes any
+/// integer, 0 and negative ones included); none when absent or null.
+std::optional<std::int64_t> seed_field(const json& body) {
+  if (!body.contains("seed") || body["seed"].is_null()) return std::nullopt;
+  const json& v = body["seed"];
+  const auto range = [&] {
+    return BadRequest{"'seed' must be an integer in [" + std::to_string(-kMaxSeed) + ", " +
+                      std::to_string(kMaxSeed) + "], got " + v.dump()};
+  };
+  if (v.is_number_unsigned()) {
+    if (v.get<std::uint64_t>() > static_cast<std::uint64_t>(kMaxSeed)) throw range();
+    return static_cast<std::int64_t>(v.get<std::uint64_t>());
+  }
+  if (v.is_number_integer()) {
+    if (v.get<std::int64_t>() < -kMaxSeed) throw range();
+    return v.get<std::int64_t>();
+  }
+  if (!v.is_number_float()) throw range();
+  const double d = v.get<double>();
+  const auto bound = static_cast<double>(kMaxSeed);
+  if (!(d == std::floor(d) && d >= -bound && d <= bound)) throw range();
+  return static_cast<std::int64_t>(d);
+}
+
+/// The xorshift64* state a request's seed samples with. A positive seed is the state itself, as
+/// the generator's --seed; 0 (which would freeze the generator) and negative seeds take the
+/// states above kMaxSeed, so no two seeds share a state.
+std::uint64_t seed_state(std::int64_t seed) {
+  return seed > 0 ? static_cast<std::uint64_t>(seed)
+                  : static_cast<std::uint64_t>(kMaxSeed) + 1 + static_cast<std::uint64_t>(-seed);
 }
 
 // What the server does with each request field: it honours it, or accepts it only at the value
@@ -261,14 +293,16 @@ void check_fields(const json& body, bool chat) {
 
 struct Sampling {
   kvdecode::SamplerOptions sampler;
+  std::int64_t seed = 1;  // as the request gave it, or drawn; sampler.seed is seed_state(seed)
   std::size_t max_tokens = 16;
   bool stream = false;
   std::vector<std::string> stop;
 };
 
 /// The sampling fields of a request whose fields check_fields accepted. Without "seed" the
-/// request takes `seed` (the server draws one per request, reported in its usage).
-Sampling read_sampling(const json& body, std::size_t default_max_tokens, std::uint64_t seed,
+/// request takes draw_seed() (the server draws one per request, reported in its usage).
+template <class DrawSeed>
+Sampling read_sampling(const json& body, std::size_t default_max_tokens, DrawSeed&& draw_seed,
                        bool chat) {
   Sampling s;
   s.sampler.temperature = number_field(body, "temperature", 1.0, 0.0, 100.0);
@@ -277,7 +311,9 @@ Sampling read_sampling(const json& body, std::size_t default_max_tokens, std::ui
   s.sampler.min_p = number_field(body, "min_p", 0.0, 0.0, 1.0);
   s.sampler.repeat_penalty = number_field(body, "repeat_penalty", 1.0, 0.0, 100.0, true);
   s.sampler.repeat_last_n = integer_field(body, "repeat_last_n", 64, 0, kMaxCount);
-  s.sampler.seed = integer_field(body, "seed", seed, 1, kMaxSeed);
+  const std::optional<std::int64_t> given = seed_field(body);
+  s.seed = given ? *given : draw_seed();
+  s.sampler.seed = seed_state(s.seed);
   s.max_tokens = integer_field(body, "max_tokens", default_max_tokens, 1, kMaxCount);
   if (chat && body.contains("max_completion_tokens") && !body["max_completion_tokens"].is_null()) {
     const std::size_t n = integer_field(body, "max_completion_tokens", 0, 1, kMaxCount);
@@ -371,9 +407,9 @@ struct Server {
 
   /// A seed for a request that gives none: different for every request and every run (as
   /// OpenAI's and llama.cpp's servers sample), in [1, kMaxSeed], reported in the usage.
-  std::uint64_t draw_seed() {
+  std::int64_t draw_seed() {
     kvdecode::detail::SplitMix64 mix(seed_base + seed_count.fetch_add(1));
-    return 1 + mix.next() % kMaxSeed;
+    return 1 + static_cast<std::int64_t>(mix.next() % static_cast<std::uint64_t>(kMaxSeed));
   }
   const std::uint64_t seed_base =
       (std::uint64_t{std::random_device{}()} << 32) ^ std::random_device{}();
@@ -445,7 +481,7 @@ void send_error(httplib::Response& res, int status, const std::string& message,
   res.set_content(dump({{"error", {{"message", message}, {"type", type}}}}), "application/json");
 }
 
-json usage_json(const kvdecode::RequestUsage& u, std::uint64_t seed) {
+json usage_json(const kvdecode::RequestUsage& u, std::int64_t seed) {
   return {{"prompt_tokens", u.prompt_tokens},
           {"completion_tokens", u.generated_tokens},
           {"total_tokens", u.prompt_tokens + u.generated_tokens},
@@ -567,7 +603,7 @@ void serve_generation(Server& s, httplib::Response& res, std::vector<std::int32_
                           {"created", created},
                           {"model", s.model_name},
                           {"choices", json::array({choice})},
-                          {"usage", usage_json(stream->usage(), sp.sampler.seed)}}),
+                          {"usage", usage_json(stream->usage(), sp.seed)}}),
                     "application/json");
     return;
   }
@@ -623,7 +659,7 @@ void serve_generation(Server& s, httplib::Response& res, std::vector<std::int32_
         if (!done) return true;
         stream->wait();
         remember_answer(*all_text, *gen);
-        const json usage = usage_json(stream->usage(), sp.sampler.seed);
+        const json usage = usage_json(stream->usage(), sp.seed);
         if (!event("", gen->finish_reason(), &usage)) return false;
         const std::string end = "data: [DONE]\n\n";
         sink.write(end.data(), end.size());
@@ -832,7 +868,8 @@ int run(const Options& o) {
     answer(s, res, [&] {
       check_fields(*body, false);
       const std::string prompt = required_string(*body, "prompt", "the request");
-      const Sampling sp = read_sampling(*body, 16, s.draw_seed(), false);
+      const Sampling sp = read_sampling(
+          *body, 16, [&] { return s.draw_seed(); }, false);
       serve_generation(s, res, s.vocabulary.encode_prompt(prompt), sp, false);
     });
   });
@@ -842,7 +879,8 @@ int run(const Options& o) {
     answer(s, res, [&] {
       check_fields(*body, true);
       if (!body->contains("messages")) throw BadRequest{"the request needs 'messages'"};
-      const Sampling sp = read_sampling(*body, 64, s.draw_seed(), true);
+      const Sampling sp = read_sampling(
+          *body, 64, [&] { return s.draw_seed(); }, true);
       serve_generation(s, res, s.chat_prompt((*body)["messages"]), sp, true);
     });
   });

@@ -257,7 +257,11 @@ class ServerTest(unittest.TestCase):
             (b'{"prompt": "a", "top_k": -1}', "'top_k' must be an integer in [0, "),
             (b'{"prompt": "a", "min_p": 2}', "'min_p' must be in [0, 1]"),
             (b'{"prompt": "a", "repeat_penalty": 0}', "'repeat_penalty' must be in (0, 100]"),
-            (b'{"prompt": "a", "seed": 0}', "'seed' must be an integer in [1, "),
+            (b'{"prompt": "a", "seed": 9007199254740993}',
+             "'seed' must be an integer in [-9007199254740992, 9007199254740992], got"),
+            (b'{"prompt": "a", "seed": -9007199254740993}', "'seed' must be an integer in [-"),
+            (b'{"prompt": "a", "seed": 1.5}', "'seed' must be an integer in [-"),
+            (b'{"prompt": "a", "seed": "7"}', "'seed' must be an integer in [-"),
             (b'{"prompt": "a", "model": 3}', "'model' must be a string"),
             (b'{"prompt": "a", "stream_options": {"x": 1}}', "'stream_options' must be"),
             (b'{"prompt": "a", "temperature": -1}', "'temperature' must be in [0, 100]"),
@@ -630,6 +634,28 @@ class SamplingTest(unittest.TestCase):
                 rest["seed"] = 12
             _, other = post("/v1/completions", dict(rest, prompt=prompt, max_tokens=40))
             self.assertNotEqual(other["choices"][0]["text"], answer["choices"][0]["text"], name)
+
+    def test_any_integer_seed(self):
+        """OpenAI takes any integer as a seed. A positive one is the generator's --seed; 0 and a
+        negative seed s sample as --seed 2^53 + 1 - s, states no positive seed reaches."""
+        if GENERATE is None:
+            self.skipTest("needs --generate")
+        prompt = "And it came to pass"
+        texts = {}
+        for seed, state in ((0, 2 ** 53 + 1), (-5, 2 ** 53 + 6), (-(2 ** 53), 2 ** 54 + 1),
+                            (2 ** 53, 2 ** 53)):
+            status, answer = post("/v1/completions", {"prompt": prompt, "max_tokens": 24,
+                                                      "temperature": 1.0, "seed": seed})
+            self.assertEqual(status, 200, answer)
+            self.assertEqual(answer["usage"]["seed"], seed)
+            alone = subprocess.run([GENERATE, "-p", prompt, "-n", "24", "--temperature", "1", "--top-p", "1",
+                                    "--seed", str(state)],
+                                   capture_output=True, text=True, timeout=TIMEOUT)
+            self.assertEqual(alone.returncode, 0, alone.stderr)
+            self.assertEqual(prompt + answer["choices"][0]["text"], alone.stdout.rstrip("\n"),
+                             seed)
+            texts[seed] = answer["choices"][0]["text"]
+        self.assertEqual(len(set(texts.values())), len(texts), texts)
 
 
 if __name__ == "__main__":
