@@ -1,7 +1,9 @@
 // BM_Encode: Tokenizer::encode over the llama2c-tiny fixture vocabulary (512 pieces) for texts
 // of 1 KiB to 256 KiB, with a complexity fit over the text length (the heap-based merge loop is
 // O(n log n)); BM_EncodeRunCLoop beside it is run.c's merge loop (rescan every pair after each
-// merge, O(n²)) as the baseline, up to 8 KiB so that it stays affordable.
+// merge, O(n²)) as the baseline, up to 8 KiB so that it stays affordable. BM_EncodeBundled: the
+// bundled model's 4096-piece vocabulary on 1 and 4 KiB, a server's prompt sizes (checked
+// against run.c's loop first).
 
 // Before any Eigen include: GCC 12's false -Wmaybe-uninitialized (see bench_model.hpp).
 #if defined(__GNUC__) && !defined(__clang__)
@@ -29,6 +31,11 @@ using kvdecode::Tokenizer;
 const Tokenizer& fixture_tokenizer() {
   static const Tokenizer t =
       Tokenizer::load(KVDECODE_TEST_DATA_DIR "/llama2c-tiny/tokenizer.bin", 512);
+  return t;
+}
+
+const Tokenizer& bundled_tokenizer() {
+  static const Tokenizer t = Tokenizer::load(KVDECODE_MODEL_DIR "/tokenizer.bin", 4096);
   return t;
 }
 
@@ -110,6 +117,23 @@ void BM_EncodeRunCLoop(benchmark::State& state) {
   state.SetComplexityN(state.range(0));
 }
 
+void BM_EncodeBundled(benchmark::State& state) {
+  const Tokenizer& t = bundled_tokenizer();
+  const std::string text = story_text(static_cast<std::size_t>(state.range(0)));
+  std::vector<std::int32_t> out;
+  t.encode(text, true, false, out);
+  if (run_c_encode(t, text) != out) {
+    state.SkipWithError("run.c's loop and Tokenizer::encode disagree");
+    return;
+  }
+  state.counters["tokens"] = static_cast<double>(out.size());
+  for (auto _ : state) {
+    t.encode(text, true, false, out);
+    benchmark::DoNotOptimize(out.data());
+  }
+  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations()) * state.range(0));
+}
+
 BENCHMARK(BM_Encode)
     ->RangeMultiplier(4)
     ->Range(1 << 10, kvdecode::bench::top(256 << 10, 4 << 10))
@@ -120,6 +144,7 @@ BENCHMARK(BM_EncodeRunCLoop)
     ->Range(1 << 10, kvdecode::bench::top(8 << 10, 1 << 10))
     ->Unit(benchmark::kMicrosecond)
     ->Complexity(benchmark::oNSquared);
+BENCHMARK(BM_EncodeBundled)->Arg(1 << 10)->Arg(4 << 10)->Unit(benchmark::kMicrosecond);
 
 }  // namespace
 

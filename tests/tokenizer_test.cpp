@@ -432,6 +432,38 @@ TEST(TokenizerTest, EncodeEqualsTheQuadraticRunCLoopOnAFewKilobytes) {
   }
 }
 
+// Words merge alone (a heap each) only when no piece holds a byte other than ' ' followed by
+// ' '. Against run.c's loop over the whole text: a vocabulary that allows it, with runs of
+// spaces as Llama's has and an empty piece; and the same plus pieces that join words ("b a",
+// "a  ", a byte piece before a space), which must merge across the space as run.c does.
+TEST(TokenizerTest, WordsMergeAloneOnlyWhereNoPieceJoinsThem) {
+  Vocab words = llama_base_vocab();
+  for (const char* p : {"a", "b", "ab", " b", " ab", "  ", "   ", "    a", "", "ba", "aba"})
+    words.add(p, -static_cast<float>(words.pieces.size() % 5));
+  words.add(" a", 5.0f);
+  Vocab joined = words;
+  const std::int32_t b_a = joined.add("b a", 10.0f);
+  joined.add("a  ", 0.0f);
+  joined.add("<0xC3> a", 0.0f);
+  const Tokenizer split = words.build(), whole = joined.build();
+  for (const Tokenizer* t : {&split, &whole}) {
+    for (const std::string& text : long_random_texts(5, 80, 400)) {
+      ASSERT_EQ(t->encode(text), naive_run_c_encode(*t, text, true, false))
+          << "vocab_size " << t->vocab_size() << ", " << text.size() << " bytes: \"" << text
+          << "\"";
+    }
+    for (const std::string& text : random_texts(77, 200)) {
+      ASSERT_EQ(t->encode(text, false, true), naive_run_c_encode(*t, text, false, true))
+          << "vocab_size " << t->vocab_size() << ", text: \"" << text << "\"";
+    }
+  }
+  // Hand-derived: " a" (5) merges first, then "b" + " a" into "b a" (10) across the space;
+  // without that piece the dummy prefix and "b" merge into " b" instead.
+  EXPECT_EQ(whole.encode("b a", false, false), (std::vector<std::int32_t>{kSpace, b_a}));
+  EXPECT_EQ(split.encode("b a", false, false),
+            (std::vector<std::int32_t>{*split.find(" b"), *split.find(" a")}));
+}
+
 // Hand-derived: all ties of one length go left to right, and a higher-scored piece formed by
 // earlier merges is taken as soon as it exists.
 TEST(TokenizerTest, TieVocabularyMergesLeftToRightByLength) {

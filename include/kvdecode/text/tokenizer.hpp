@@ -236,7 +236,10 @@ class Tokenizer {
     for (std::size_t begin = 0; begin < text.size();) {
       const std::size_t end = code_point_end(text, begin);
       const std::string_view code_point = text.substr(begin, end - begin);
-      if (const std::int32_t id = lookup(code_point, {}); id >= 0) {
+      const std::int32_t id = code_point.size() == 1
+                                  ? byte_ids_[static_cast<unsigned char>(code_point[0])]
+                                  : lookup(code_point, {});
+      if (id >= 0) {
         out.push_back(id);
       } else {
         for (const char c : code_point) {
@@ -357,21 +360,46 @@ class Tokenizer {
                      context, ": piece ", i, " has ", len,
                      " bytes, more than the file's int32 length field holds");
     }
-    // At most half full, so a probe ends after a slot or two; ids go in ascending, and a
-    // duplicate piece is left out, so a lookup finds the lowest id.
-    piece_table_.assign(std::bit_ceil(2 * scores_.size()), -1);
-    const std::size_t mask = piece_table_.size() - 1;
+    piece_hashes_.resize(scores_.size());
     for (std::size_t i = 0; i < scores_.size(); ++i) {
       const std::string_view p = piece_unchecked(static_cast<std::int32_t>(i));
-      for (std::size_t slot = piece_hash(p, {}) & mask;; slot = (slot + 1) & mask) {
-        if (piece_table_[slot] < 0) {
-          piece_table_[slot] = static_cast<std::int32_t>(i);
+      piece_hashes_[i] = {.hash = hash_of(p, {}), .power = power_of(p.size())};
+    }
+    // At most half full, so a probe ends after a slot or two; ids go in ascending, and a
+    // duplicate piece is left out, so a lookup finds the lowest id.
+    const std::size_t slots = std::bit_ceil(2 * scores_.size());
+    piece_table_.assign(slots, Slot{});
+    slot_shift_ = 64 - std::countr_zero(slots);
+    for (std::size_t i = 0; i < scores_.size(); ++i) {
+      const std::string_view p = piece_unchecked(static_cast<std::int32_t>(i));
+      const std::uint64_t mixed = piece_hashes_[i].hash * kHashMix;
+      for (std::size_t slot = first_slot(mixed);; slot = (slot + 1) & (slots - 1)) {
+        Slot& at = piece_table_[slot];
+        if (at.id < 0) {
+          at = {.tag = tag_of(mixed), .id = static_cast<std::int32_t>(i)};
           break;
         }
-        if (piece_unchecked(piece_table_[slot]) == p) break;  // a duplicate: keep the lower id
+        if (piece_unchecked(at.id) == p) break;  // a duplicate: keep the lower id
       }
     }
-    space_id_ = lookup(" ", {});
+    // No piece holds a byte other than ' ' followed by ' ' (llama2.c's vocabularies: a space
+    // only starts a piece or follows another space), so words merge alone (merge_pairs()).
+    splits_words_ = true;
+    for (std::size_t i = 0; i < scores_.size() && splits_words_; ++i) {
+      const std::string_view p = piece_unchecked(static_cast<std::int32_t>(i));
+      for (std::size_t k = 1; k < p.size(); ++k) {
+        if (p[k] == ' ' && p[k - 1] != ' ') {
+          splits_words_ = false;
+          break;
+        }
+      }
+    }
+    byte_ids_.fill(-1);
+    for (int c = 0; c < 256; ++c) {
+      const char byte = static_cast<char>(c);
+      byte_ids_[static_cast<std::size_t>(c)] = lookup(std::string_view(&byte, 1), {});
+    }
+    space_id_ = byte_ids_[static_cast<unsigned char>(' ')];
     // run.c would silently push id -1 as the dummy prefix of every non-empty text.
     KVDECODE_CHECK(space_id_ >= 0, context,
                    ": vocabulary lacks the one-character piece \" \" needed as the dummy prefix");
@@ -430,26 +458,58 @@ class Tokenizer {
     return c != 0 ? c : p.substr(a.size()).compare(b);
   }
 
-  /// FNV-1a of the bytes of a ++ b, without building it.
-  static std::uint64_t piece_hash(std::string_view a, std::string_view b) {
-    std::uint64_t h = 14695981039346656037ull;
-    for (const char c : a) h = (h ^ static_cast<unsigned char>(c)) * 1099511628211ull;
-    for (const char c : b) h = (h ^ static_cast<unsigned char>(c)) * 1099511628211ull;
+  // Pieces are found by a polynomial hash, H(s) = sum over i of (s[i] + 1) * kHashBase^(n-1-i)
+  // mod 2^64, because it composes: H(a ++ b) = H(a) * kHashBase^|b| + H(b). With each piece's
+  // H and kHashBase^length kept, the merge loop hashes a candidate pair from its two ids in one
+  // multiply-add instead of a pass over its bytes. The product with kHashMix spreads the hash
+  // over the bits: its top bits pick the slot, its low 32 bits are the slot's tag, so a probe
+  // compares bytes only when the tags agree.
+  static constexpr std::uint64_t kHashBase = 0x100000001b3ull;      // odd; FNV's 64-bit prime
+  static constexpr std::uint64_t kHashMix = 0x9e3779b97f4a7c15ull;  // 2^64 / golden ratio, odd
+
+  static std::uint64_t hash_of(std::string_view a, std::string_view b) {
+    std::uint64_t h = 0;
+    for (const char c : a) h = h * kHashBase + static_cast<unsigned char>(c) + 1;
+    for (const char c : b) h = h * kHashBase + static_cast<unsigned char>(c) + 1;
     return h;
+  }
+  static std::uint64_t power_of(std::size_t length) {
+    std::uint64_t p = 1;
+    for (std::size_t i = 0; i < length; ++i) p *= kHashBase;
+    return p;
+  }
+  std::size_t first_slot(std::uint64_t mixed) const {
+    return static_cast<std::size_t>(mixed >> slot_shift_);
+  }
+  static std::uint32_t tag_of(std::uint64_t mixed) { return static_cast<std::uint32_t>(mixed); }
+
+  /// The lowest id whose piece equals a ++ b, given H(a ++ b), or -1.
+  std::int32_t find_hashed(std::uint64_t hash, std::string_view a, std::string_view b) const {
+    const std::uint64_t mixed = hash * kHashMix;
+    const std::uint32_t tag = tag_of(mixed);
+    const std::size_t mask = piece_table_.size() - 1;
+    for (std::size_t slot = first_slot(mixed);; slot = (slot + 1) & mask) {
+      const Slot at = piece_table_[slot];
+      if (at.id < 0) return -1;
+      if (at.tag != tag) continue;
+      const std::string_view p = piece_unchecked(at.id);
+      if (p.size() == a.size() + b.size() && compare_with_concat(p, a, b) == 0) return at.id;
+    }
   }
 
   /// The lowest id whose piece equals a ++ b, or -1 (run.c's sprintf("%s%s") + str_lookup, a
-  /// binary search there; a hash probe here, as the merge loop looks up about two pairs per
-  /// byte of text).
+  /// binary search there; a hash probe here).
   std::int32_t lookup(std::string_view a, std::string_view b) const {
     if (a.size() + b.size() > max_token_length_) return -1;  // longer than every piece
-    const std::size_t mask = piece_table_.size() - 1;
-    for (std::size_t slot = piece_hash(a, b) & mask;; slot = (slot + 1) & mask) {
-      const std::int32_t id = piece_table_[slot];
-      if (id < 0) return -1;
-      const std::string_view p = piece_unchecked(id);
-      if (p.size() == a.size() + b.size() && compare_with_concat(p, a, b) == 0) return id;
-    }
+    return find_hashed(hash_of(a, b), a, b);
+  }
+
+  /// lookup() of the pieces of ids a and b: the merge loop's question, about two per byte of
+  /// text, answered from the pieces' stored hashes.
+  std::int32_t lookup_pair(std::int32_t a, std::int32_t b) const {
+    const PieceHash& ha = piece_hashes_[static_cast<std::size_t>(a)];
+    const PieceHash& hb = piece_hashes_[static_cast<std::size_t>(b)];
+    return find_hashed(ha.hash * hb.power + hb.hash, piece_unchecked(a), piece_unchecked(b));
   }
 
   /// run.c's code point split: a byte plus the continuation bytes (10xxxxxx) after it, at most
@@ -491,17 +551,24 @@ class Tokenizer {
   /// pushes new pairs and skips stale ones when popped; updating in place instead bounds the
   /// heap at n entries, so all scratch fits in `out`'s tail and reused capacity allocates
   /// nothing.)
+  ///
+  /// Words merge alone where the vocabulary allows it (splits_words_): then no merge ever joins
+  /// a symbol ending in a byte other than ' ' to one starting with ' ', so the symbols between
+  /// two such boundaries merge exactly as they would in the whole text (the best pair of the
+  /// text is the best of its word, and a merge changes no pair of another word). Each word gets
+  /// a heap of its own, a few entries deep instead of the text's.
   void merge_pairs(std::vector<std::int32_t>& out) const {
     const std::size_t n0 = out.size();
     if (n0 < 2) return;
     out.resize((1 + kMergeScratchPerSymbol) * n0);
     std::int32_t* tokens = out.data();   // [n0]: token of each live symbol
-    std::int32_t* next = tokens + n0;    // [n0]: next live symbol, or n0 at the end
+    std::int32_t* next = tokens + n0;    // [n0]: next live symbol, or the word's end
     std::int32_t* prev = next + n0;      // [n0]: previous live symbol, or -1
     std::int32_t* pair_ids = prev + n0;  // [n0]: merge of (i, next[i]), or -1
     std::int32_t* heap = pair_ids + n0;  // [heap_size]: symbols with a mergeable pair
     std::int32_t* heap_pos = heap + n0;  // [n0]: where i sits in heap, or -1
-    const auto end = static_cast<std::int32_t>(n0);
+    const auto n = static_cast<std::int32_t>(n0);
+    std::int32_t end = n;  // the current word's end
     std::size_t heap_size = 0;
 
     auto score_of = [&](std::int32_t i) { return scores_[static_cast<std::size_t>(pair_ids[i])]; };
@@ -548,7 +615,7 @@ class Tokenizer {
     // Looks up the pair (i, next[i]) again and moves i in, out of or within the heap.
     auto refresh = [&](std::int32_t i) {
       const std::int32_t j = next[i];
-      pair_ids[i] = j == end ? -1 : lookup(piece_unchecked(tokens[i]), piece_unchecked(tokens[j]));
+      pair_ids[i] = j == end ? -1 : lookup_pair(tokens[i], tokens[j]);
       // run.c: `vocab_scores[id] > best_score` with best_score = -1e10 (false for NaN).
       const bool mergeable = pair_ids[i] >= 0 && score_of(i) > -1e10f;
       if (!mergeable) {
@@ -564,28 +631,42 @@ class Tokenizer {
         sift_down(static_cast<std::size_t>(heap_pos[i]));
       }
     };
+    // Whether no merge can join symbol j - 1 to symbol j (their tokens as encode() made them).
+    auto word_starts = [&](std::int32_t j) {
+      const std::string_view left = piece_unchecked(tokens[j - 1]);
+      const std::string_view right = piece_unchecked(tokens[j]);
+      return !left.empty() && left.back() != ' ' && !right.empty() && right.front() == ' ';
+    };
 
-    for (std::int32_t i = 0; i < end; ++i) {
-      next[i] = i + 1;
-      prev[i] = i - 1;
-      heap_pos[i] = -1;
+    std::size_t kept = 0;  // live symbols of the words done, compacted to tokens[0, kept)
+    for (std::int32_t begin = 0; begin < n; begin = end) {
+      end = begin + 1;
+      if (splits_words_) {
+        while (end < n && !word_starts(end)) ++end;
+      } else {
+        end = n;
+      }
+      for (std::int32_t i = begin; i < end; ++i) {
+        next[i] = i + 1;
+        prev[i] = i == begin ? -1 : i - 1;
+        heap_pos[i] = -1;
+      }
+      for (std::int32_t i = begin; i < end; ++i) refresh(i);
+      while (heap_size > 0) {
+        const std::int32_t a = heap[0];  // merge (a, b) into a
+        const std::int32_t b = next[a];
+        tokens[a] = pair_ids[a];
+        remove(b);
+        next[a] = next[b];
+        if (next[b] != end) prev[next[b]] = a;
+        refresh(a);
+        if (prev[a] >= 0) refresh(prev[a]);
+      }
+      // Live symbols in list order are in index order, and kept <= begin, so compacting in
+      // place never overwrites a symbol not yet read.
+      for (std::int32_t i = begin; i != end; i = next[i]) tokens[kept++] = tokens[i];
     }
-    for (std::int32_t i = 0; i < end; ++i) refresh(i);
-    while (heap_size > 0) {
-      const std::int32_t a = heap[0];  // merge (a, b) into a
-      const std::int32_t b = next[a];
-      tokens[a] = pair_ids[a];
-      remove(b);
-      next[a] = next[b];
-      if (next[b] != end) prev[next[b]] = a;
-      refresh(a);
-      if (prev[a] >= 0) refresh(prev[a]);
-    }
-    // Live symbols in list order are in index order, so compacting in place never overwrites
-    // a symbol not yet read.
-    std::size_t n = 0;
-    for (std::int32_t i = 0; i != end; i = next[i]) tokens[n++] = tokens[i];
-    out.resize(n);
+    out.resize(kept);
   }
 
   // Pieces live in one string and are found through offsets (not views), so copies and moves
@@ -594,9 +675,20 @@ class Tokenizer {
   // [vocab_size + 1]: piece `id` is piece_bytes_[offsets_[id], offsets_[id + 1])
   std::vector<std::size_t> offsets_;
   std::vector<float> scores_;  // [vocab_size]: merge score per id
-  // [bit_ceil(2 * vocab_size)]: open addressing by piece_hash(), linear probing; the lowest id
-  // of each distinct piece, or -1 for an empty slot
-  std::vector<std::int32_t> piece_table_;
+  struct PieceHash {
+    std::uint64_t hash = 0;   // hash_of(piece)
+    std::uint64_t power = 1;  // kHashBase^(piece length)
+  };
+  std::vector<PieceHash> piece_hashes_;  // [vocab_size]
+  struct Slot {
+    std::uint32_t tag = 0;  // tag_of() of the piece's mixed hash
+    std::int32_t id = -1;   // the lowest id of the piece, or -1 for an empty slot
+  };
+  // [bit_ceil(2 * vocab_size)]: open addressing by first_slot(), linear probing
+  std::vector<Slot> piece_table_;
+  int slot_shift_ = 64;                       // 64 - log2(piece_table_.size())
+  std::array<std::int32_t, 256> byte_ids_{};  // the lowest id of each one-byte piece, or -1
+  bool splits_words_ = false;  // no piece holds "c " with c != ' ': words merge alone
   std::uint32_t max_token_length_ = 0;
   std::int32_t space_id_ = -1;  // id of " ", the dummy prefix
 };
