@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "counting_new.hpp"
@@ -100,6 +101,52 @@ void expect_random_arrivals_match_alone(const Model<T, W>& model, std::uint64_t 
   EXPECT_GT(m.tokens_reused, 0u) << "the shared prefixes were meant to be reused";
   EXPECT_EQ(m.finished, requests.size());
   EXPECT_EQ(engine.pool().n_held(), 0u);
+}
+
+// A reader sleeps on its stream's own condition variable until the first token (a queued
+// request waits many passes, which should not wake it) and on the engine's ReaderSignal after
+// it: the first push wakes it alone, a later one once the pass wakes all readers, and a finish
+// in either phase. A missing wake-up leaves the reader asleep until its deadline, 10 s here,
+// where it finds the token all the same; so each wait must end in well under that (the writer
+// acts after 20 ms).
+TEST(RequestStreamTest, ReadersWakeOnTheFirstTokenThenOncePerPass) {
+  using namespace std::chrono_literals;
+  using Clock = std::chrono::steady_clock;
+  auto readers = std::make_shared<detail::ReaderSignal>();
+  RequestStream stream(1, 4, std::make_shared<detail::WakeSignal>(), readers);
+  std::int32_t token = -1;
+  // The wait of `reader` for what `writer` does 20 ms after it starts, and whether it was woken
+  // (returned in less than half of its 10 s).
+  const auto woken = [](RequestStream& reader, std::int32_t& t, auto writer) {
+    std::jthread engine([&] {
+      std::this_thread::sleep_for(20ms);
+      writer();
+    });
+    const Clock::time_point start = Clock::now();
+    const RequestStream::Wait w = reader.next_for(t, 10s);
+    return std::pair{w, Clock::now() - start < 5s};
+  };
+  EXPECT_EQ(stream.next_for(token, 1ms), RequestStream::Wait::kTimeout);
+  EXPECT_EQ(woken(stream, token, [&] { stream.push(7, {}); }),
+            std::pair(RequestStream::Wait::kToken, true));
+  EXPECT_EQ(token, 7);
+  EXPECT_EQ(woken(stream, token,
+                  [&] {
+                    stream.push(8, {});
+                    stream.push(9, {});
+                    readers->wake_all();
+                  }),
+            std::pair(RequestStream::Wait::kToken, true));
+  EXPECT_EQ(token, 8);
+  ASSERT_EQ(stream.next_for(token, 0ms), RequestStream::Wait::kToken);
+  EXPECT_EQ(token, 9);
+  EXPECT_EQ(woken(stream, token, [&] { stream.finish(FinishReason::kMaxTokens, {}); }),
+            std::pair(RequestStream::Wait::kFinished, true));
+  EXPECT_TRUE(stream.wait_for(0ms));
+  // A request finished before its first token wakes its reader too.
+  RequestStream queued(2, 4, std::make_shared<detail::WakeSignal>(), readers);
+  EXPECT_EQ(woken(queued, token, [&] { queued.finish(FinishReason::kCancelled, {}); }),
+            std::pair(RequestStream::Wait::kFinished, true));
 }
 
 TEST(EngineTest, RandomArrivalsMatchEachRequestAloneGreedy) {

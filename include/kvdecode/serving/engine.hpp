@@ -187,7 +187,7 @@ class Engine {
     std::shared_ptr<RequestStream> stream;
     {
       std::lock_guard lock(incoming_mutex_);
-      stream = std::make_shared<RequestStream>(++next_id_, request.max_tokens, wake_);
+      stream = std::make_shared<RequestStream>(++next_id_, request.max_tokens, wake_, readers_);
       seq->stream = stream;
       incoming_.push_back(std::move(seq));
       ++submitted_;
@@ -587,6 +587,8 @@ class Engine {
     }
     draw_tokens(logits, begin, vocab);
     for (const Draw& d : sampling_) append_token(*batch_[d.batch_index], d.token);
+    // One wake-up for the readers of every stream that got a token (RequestStream::next_for).
+    if (!sampling_.empty()) readers_->wake_all();
   }
 
   /// The next token of every sequence in sampling_, from its row of the pass's logits
@@ -668,6 +670,8 @@ class Engine {
   BlockPool<T> pool_;
   Activations<T> act_;
   std::shared_ptr<detail::WakeSignal> wake_;
+  // Shared with every stream: their readers wait on it after their first token.
+  std::shared_ptr<detail::ReaderSignal> readers_ = std::make_shared<detail::ReaderSignal>();
 
   // Submissions, shared with other threads.
   mutable std::mutex incoming_mutex_;

@@ -3,18 +3,28 @@
 // they are sampled and the caller, on any thread, reads them, waits, or cancels.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <string_view>
 #include <utility>
 #include <vector>
+
+#if defined(__linux__)
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <ctime>
+#endif
 
 #include "kvdecode/generation/sampler.hpp"
 
@@ -91,6 +101,52 @@ struct WakeSignal {
     cv.notify_all();
   }
 };
+/// Wakes every reader that waits for a next token on any stream of an engine, with one call
+/// per pass: a pass appends a token to each of its streams, and a wake-up per stream can hand
+/// the step thread's core to each reader in turn before the next pass starts. A reader notes
+/// the generation, looks at its stream, then sleeps while the generation has not moved. Linux:
+/// one futex wake for all; elsewhere a condition variable's notify_all.
+class ReaderSignal {
+ public:
+  std::uint32_t generation() const { return generation_.load(std::memory_order_acquire); }
+
+  void wake_all() {
+#if defined(__linux__)
+    generation_.fetch_add(1, std::memory_order_release);
+    syscall(SYS_futex, futex_word(), FUTEX_WAKE_PRIVATE, std::numeric_limits<int>::max(), nullptr,
+            nullptr, 0);
+#else
+    {
+      std::lock_guard lock(mutex_);
+      generation_.fetch_add(1, std::memory_order_release);
+    }
+    cv_.notify_all();
+#endif
+  }
+
+  /// Sleeps while the generation is `seen`, at most `timeout` (a spurious return is allowed).
+  void wait(std::uint32_t seen, std::chrono::nanoseconds timeout) {
+#if defined(__linux__)
+    const auto ns = std::max<std::int64_t>(0, timeout.count());
+    timespec relative{.tv_sec = static_cast<std::time_t>(ns / 1'000'000'000),
+                      .tv_nsec = static_cast<long>(ns % 1'000'000'000)};
+    syscall(SYS_futex, futex_word(), FUTEX_WAIT_PRIVATE, seen, &relative, nullptr, 0);
+#else
+    std::unique_lock lock(mutex_);
+    cv_.wait_for(lock, timeout, [&] { return generation() != seen; });
+#endif
+  }
+
+ private:
+#if defined(__linux__)
+  std::uint32_t* futex_word() { return reinterpret_cast<std::uint32_t*>(&generation_); }
+  static_assert(sizeof(std::atomic<std::uint32_t>) == sizeof(std::uint32_t));
+#else
+  std::mutex mutex_;
+  std::condition_variable cv_;
+#endif
+  std::atomic<std::uint32_t> generation_{0};
+};
 }  // namespace detail
 
 /// The caller's side of one request: thread-safe. The engine appends tokens (the vector was
@@ -99,8 +155,9 @@ class RequestStream {
  public:
   enum class Wait { kToken, kFinished, kTimeout };
 
-  RequestStream(std::uint64_t id, std::size_t max_tokens, std::shared_ptr<detail::WakeSignal> wake)
-      : id_(id), wake_(std::move(wake)) {
+  RequestStream(std::uint64_t id, std::size_t max_tokens, std::shared_ptr<detail::WakeSignal> wake,
+                std::shared_ptr<detail::ReaderSignal> readers)
+      : id_(id), wake_(std::move(wake)), readers_(std::move(readers)) {
     tokens_.reserve(max_tokens);
   }
 
@@ -127,15 +184,29 @@ class RequestStream {
 
   /// The next token not yet read by next(): waits up to `timeout` for it. kFinished once the
   /// request has ended and every token has been read.
+  ///
+  /// Until its first token a request may wait in the queue for many passes, so its reader sleeps
+  /// on the stream's own condition variable (the first token and the finish wake it); after it,
+  /// on the engine's ReaderSignal, which each pass wakes once for all its streams.
   Wait next_for(std::int32_t& token, std::chrono::milliseconds timeout) {
-    std::unique_lock lock(mutex_);
-    cv_.wait_for(lock, timeout,
-                 [&] { return read_ < tokens_.size() || reason_ != FinishReason::kRunning; });
-    if (read_ < tokens_.size()) {
-      token = tokens_[read_++];
-      return Wait::kToken;
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    for (;;) {
+      const std::uint32_t seen = readers_->generation();  // before looking, so no wake is lost
+      std::unique_lock lock(mutex_);
+      if (read_ < tokens_.size()) {
+        token = tokens_[read_++];
+        return Wait::kToken;
+      }
+      if (reason_ != FinishReason::kRunning) return Wait::kFinished;
+      const auto now = std::chrono::steady_clock::now();
+      if (now >= deadline) return Wait::kTimeout;
+      if (tokens_.empty()) {
+        cv_.wait_until(lock, deadline);
+      } else {
+        lock.unlock();
+        readers_->wait(seen, deadline - now);
+      }
     }
-    return reason_ != FinishReason::kRunning ? Wait::kFinished : Wait::kTimeout;
   }
   /// next_for without a time limit: false once finished and drained.
   bool next(std::int32_t& token) {
@@ -182,13 +253,17 @@ class RequestStream {
   // ---------------------------------------------------------------------------------------------
   // The engine's side (its step thread only).
 
+  /// Appends a token. Only the first wakes the reader; the engine wakes the readers of later
+  /// ones after the pass (ReaderSignal::wake_all).
   void push(std::int32_t token, const RequestUsage& usage) {
+    bool first = false;
     {
       std::lock_guard lock(mutex_);
+      first = tokens_.empty();
       tokens_.push_back(token);  // within the reservation: at most max_tokens
       usage_ = usage;
     }
-    cv_.notify_all();
+    if (first) cv_.notify_all();
   }
   void finish(FinishReason reason, const RequestUsage& usage, std::string error = {}) {
     {
@@ -198,11 +273,13 @@ class RequestStream {
       error_ = std::move(error);
     }
     cv_.notify_all();
+    readers_->wake_all();
   }
 
  private:
   const std::uint64_t id_;
   std::shared_ptr<detail::WakeSignal> wake_;
+  std::shared_ptr<detail::ReaderSignal> readers_;
   std::atomic<bool> cancel_requested_{false};
   std::atomic<bool> stop_requested_{false};  // set before cancel_requested_
   mutable std::mutex mutex_;
