@@ -101,6 +101,7 @@ struct WakeSignal {
     cv.notify_all();
   }
 };
+
 /// Wakes every reader that waits for a next token on any stream of an engine, with one call
 /// per pass: a pass appends a token to each of its streams, and a wake-up per stream can hand
 /// the step thread's core to each reader in turn before the next pass starts. A reader notes
