@@ -1,9 +1,9 @@
 // BM_Encode: Tokenizer::encode over the llama2c-tiny fixture vocabulary (512 pieces) for texts
 // of 1 KiB to 256 KiB, with a complexity fit over the text length (the heap-based merge loop is
-// O(n log n)); BM_EncodeRunCLoop beside it is run.c's merge loop (rescan every pair after each
-// merge, O(n²)) as the baseline, up to 8 KiB so that it stays affordable. BM_EncodeBundled: the
-// bundled model's 4096-piece vocabulary on 1 and 4 KiB, a server's prompt sizes (checked
-// against run.c's loop first).
+// O(n log n) at worst, a text without spaces; word by word it is about linear); BM_EncodeRunCLoop
+// beside it is run.c's merge loop (rescan every pair after each merge, O(n²)) as the baseline, up
+// to 8 KiB so that it stays affordable. BM_EncodeBundled: the bundled model's 4096-piece vocabulary
+// on 1 and 4 KiB, a server's prompt sizes (checked against run.c's loop first).
 
 // Before any Eigen include: GCC 12's false -Wmaybe-uninitialized (see bench_model.hpp).
 #if defined(__GNUC__) && !defined(__clang__)

@@ -154,10 +154,11 @@ double number_field(const json& body, const char* name, double fallback, double 
   return v;
 }
 
-/// An integer field (a JSON number with no fraction), as number_field.
-std::uint64_t integer_field(const json& body, const char* name, std::uint64_t fallback,
-                            std::uint64_t lo, std::uint64_t hi) {
-  if (!body.contains(name) || body[name].is_null()) return fallback;
+/// An integer field (a JSON number with no fraction) in [lo, hi]; none when absent or null,
+/// BadRequest when of another type or out of range.
+std::optional<std::int64_t> integer_value(const json& body, const char* name, std::int64_t lo,
+                                          std::int64_t hi) {
+  if (!body.contains(name) || body[name].is_null()) return std::nullopt;
   const json& v = body[name];
   const auto range = [&] {
     return BadRequest{std::string("'") + name + "' must be an integer in [" + std::to_string(lo) +
@@ -165,41 +166,27 @@ std::uint64_t integer_field(const json& body, const char* name, std::uint64_t fa
   };
   if (v.is_number_unsigned()) {
     const auto u = v.get<std::uint64_t>();
-    if (u < lo || u > hi) throw range();
-    return u;
-  }
-  if (v.is_number_integer()) throw range();  // negative
-  if (v.is_number_float()) {
-    const double d = v.get<double>();
-    if (!(d == std::floor(d) && d >= static_cast<double>(lo) && d <= static_cast<double>(hi)))
-      throw range();
-    return static_cast<std::uint64_t>(d);
-  }
-  throw range();
-}
-
-/// The "seed" field of `body` as given: any integer in [-kMaxSeed, kMaxSeed] (OpenAI takes any
-/// integer, 0 and negative ones included); none when absent or null.
-std::optional<std::int64_t> seed_field(const json& body) {
-  if (!body.contains("seed") || body["seed"].is_null()) return std::nullopt;
-  const json& v = body["seed"];
-  const auto range = [&] {
-    return BadRequest{"'seed' must be an integer in [" + std::to_string(-kMaxSeed) + ", " +
-                      std::to_string(kMaxSeed) + "], got " + v.dump()};
-  };
-  if (v.is_number_unsigned()) {
-    if (v.get<std::uint64_t>() > static_cast<std::uint64_t>(kMaxSeed)) throw range();
-    return static_cast<std::int64_t>(v.get<std::uint64_t>());
+    if (u > static_cast<std::uint64_t>(hi) || static_cast<std::int64_t>(u) < lo) throw range();
+    return static_cast<std::int64_t>(u);
   }
   if (v.is_number_integer()) {
-    if (v.get<std::int64_t>() < -kMaxSeed) throw range();
-    return v.get<std::int64_t>();
+    const auto i = v.get<std::int64_t>();
+    if (i < lo || i > hi) throw range();
+    return i;
   }
   if (!v.is_number_float()) throw range();
   const double d = v.get<double>();
-  const auto bound = static_cast<double>(kMaxSeed);
-  if (!(d == std::floor(d) && d >= -bound && d <= bound)) throw range();
+  if (!(d == std::floor(d) && d >= static_cast<double>(lo) && d <= static_cast<double>(hi)))
+    throw range();
   return static_cast<std::int64_t>(d);
+}
+
+/// A count field in [lo, hi] (both at most kMaxCount), absent or null → fallback.
+std::uint64_t integer_field(const json& body, const char* name, std::uint64_t fallback,
+                            std::uint64_t lo, std::uint64_t hi) {
+  const auto v =
+      integer_value(body, name, static_cast<std::int64_t>(lo), static_cast<std::int64_t>(hi));
+  return v ? static_cast<std::uint64_t>(*v) : fallback;
 }
 
 /// The xorshift64* state a request's seed samples with. A positive seed is the state itself, as
@@ -311,7 +298,8 @@ Sampling read_sampling(const json& body, std::size_t default_max_tokens, DrawSee
   s.sampler.min_p = number_field(body, "min_p", 0.0, 0.0, 1.0);
   s.sampler.repeat_penalty = number_field(body, "repeat_penalty", 1.0, 0.0, 100.0, true);
   s.sampler.repeat_last_n = integer_field(body, "repeat_last_n", 64, 0, kMaxCount);
-  const std::optional<std::int64_t> given = seed_field(body);
+  // Any integer, as OpenAI takes (0 and negative ones included), within what doubles hold exactly.
+  const std::optional<std::int64_t> given = integer_value(body, "seed", -kMaxSeed, kMaxSeed);
   s.seed = given ? *given : draw_seed();
   s.sampler.seed = seed_state(s.seed);
   s.max_tokens = integer_field(body, "max_tokens", default_max_tokens, 1, kMaxCount);

@@ -394,7 +394,6 @@ class Tokenizer {
         }
       }
     }
-    byte_ids_.fill(-1);
     for (int c = 0; c < 256; ++c) {
       const char byte = static_cast<char>(c);
       byte_ids_[static_cast<std::size_t>(c)] = lookup(std::string_view(&byte, 1), {});
